@@ -1,0 +1,5 @@
+import sys
+
+from leansft.cli import main
+
+sys.exit(main())

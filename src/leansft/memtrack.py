@@ -1,0 +1,47 @@
+"""Peak memory of live torch tensors on the CPU, where torch keeps no allocator statistics.
+
+A dispatch mode sees every tensor an op creates and keeps a weak reference to its storage; when the
+storage dies its bytes come off the count. Views share storage and are counted once.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """``with TensorMemoryTracker() as t: ...`` then ``t.peak`` (bytes above the start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if size == 0 or key in self._live:
+                    continue
+                self._live[key] = size
+                self.current += size
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+
+def device_peak_memory(device: torch.device) -> int | None:
+    """Peak allocated bytes on an accelerator since the last reset, or None on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None

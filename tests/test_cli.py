@@ -1,0 +1,88 @@
+"""The CLI: plan, simulate and show-mask on real files; errors print one clear line, no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CHAT, write_jsonl
+
+from leansft.cli import main
+
+ALPACA = str(Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json")
+
+
+def test_plan_writes_json_and_plot(tmp_path, qwen25_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "len.png"
+    rc = main(["plan", "--data", ALPACA, "--tokenizer", qwen25_path, "--max-length", "512", "--json", str(out),
+               "--plot", str(png), "--cache-dir", str(tmp_path / "c")])
+    assert rc == 0
+    s = json.loads(out.read_text())
+    assert s["examples"] > 900 and s["tokens"] > s["target_tokens"] > 0
+    assert set(s["lengths"]) == {"mean", "median", "p90", "p99", "max"}
+    assert s["recommended_max_length"] > s["lengths"]["p99"] and s["recommended_max_length"] % 64 == 0
+    assert set(s["strategies"]) == {"padded", "sorted", "bfd", "bfd_split", "wrapped"}
+    for v in s["strategies"].values():
+        assert set(v) >= {"real_token_share", "attention_work_ratio", "rows", "truncated"}
+    assert s["truncated"] == s["strategies"]["bfd"]["truncated"] > 0
+    assert png.stat().st_size > 1000
+    assert "recommended max_length" in capsys.readouterr().out
+
+
+def test_plan_memory_section(tmp_path, qwen25_path):
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True).save_pretrained(tmp_path / "m")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--data", ALPACA, "--tokenizer", qwen25_path, "--model", str(tmp_path / "m"),
+                 "--tokens-per-micro-batch", "16384", "--json", str(out), "--cache-dir", str(tmp_path / "c")]) == 0
+    mem = json.loads(out.read_text())["memory"]
+    assert mem["logits_full_fp32"] == 16384 * 151936 * 4 and mem["params"] == pytest.approx(494e6, rel=0.01)
+
+
+def test_simulate_json(tmp_path):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--examples", "2000", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["strategies"]["bfd"]["real_token_share"] > 0.99
+
+
+def test_show_mask_json(tmp_path, qwen25_path, capsys):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    out = tmp_path / "mask.json"
+    assert main(["show-mask", "--data", data, "--tokenizer", qwen25_path, "-n", "1", "--json", str(out),
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    (ex,) = json.loads(out.read_text())
+    assert len(ex["input_ids"]) == len(ex["labels"])
+    assert all(lab in (-100, i) for i, lab in zip(ex["input_ids"], ex["labels"]))
+    assert "carry loss" in capsys.readouterr().out
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "leansft", *args], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["plan", "--data", "nope.jsonl", "--tokenizer", "TOK"], "nope.jsonl: file not found"),
+        (["simulate", "--examples", "0"], "expected a positive integer"),
+        (["plan", "--data", "DATA", "--tokenizer", "/no/such/tokenizer"], "cannot load tokenizer"),
+        (["plan", "--data", "EMPTY", "--tokenizer", "TOK"], "no rows (empty data)"),
+        (["plan", "--data", "DATA", "--tokenizer", "TOK", "--max-length", "4"], "longest prompt"),
+        (["show-mask", "--data", "BAD", "--tokenizer", "TOK"], "row 2: field 'messages[1].role': unknown role"),
+    ],
+)
+def test_bad_input_is_one_clear_error(tmp_path, tiny_bpe_path, args, needle):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"messages": CHAT}, {"messages": [CHAT[1], {"role": "bot", "content": "x"}]}])
+    subst = {"TOK": tiny_bpe_path, "DATA": data, "EMPTY": str(empty), "BAD": bad}
+    r = run_cli(*[subst.get(a, a) for a in args], "--cache-dir", str(tmp_path / "c")) if args[0] != "simulate" else run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr

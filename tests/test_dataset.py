@@ -1,0 +1,108 @@
+"""Preparation: cleaning counts, weights, truncation, and the on-disk cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import write_jsonl
+
+from leansft.config import CleanConfig, DataConfig
+from leansft.data import template as template_mod
+from leansft.data.dataset import build_dataset
+from leansft.data.template import IGNORE_INDEX, resolve_template
+from leansft.errors import DataError
+
+
+def rows(n, prefix="Q"):
+    return [{"messages": [{"role": "user", "content": f"{prefix}{i} question"},
+                          {"role": "assistant", "content": f"Answer number {i}."}]} for i in range(n)]
+
+
+@pytest.fixture
+def tok(load_tok, tiny_bpe_path):
+    return load_tok(tiny_bpe_path)
+
+
+def build(tok, tmp_path, sources, **kw):
+    cfg = DataConfig(sources=sources, cache_dir=str(tmp_path / "cache"), **kw)
+    return build_dataset(cfg, tok, resolve_template(tok, cfg.template))
+
+
+def test_cache_hit_skips_tokenisation_and_keys_on_template(tmp_path, tok, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(5))
+    first, rep1 = build(tok, tmp_path, [path])
+    assert rep1.sources[0]["cache"] == "miss"
+
+    def boom(*a, **k):
+        raise AssertionError("re-tokenised")
+
+    monkeypatch.setattr(template_mod.ChatEncoder, "encode", boom)
+    second, rep2 = build(tok, tmp_path, [path])
+    assert rep2.sources[0]["cache"] == "hit"
+    assert np.array_equal(first.input_ids, second.input_ids) and np.array_equal(first.labels, second.labels)
+    with pytest.raises(AssertionError, match="re-tokenised"):  # another template is another key
+        build(tok, tmp_path, [path], template="llama3")
+    with pytest.raises(AssertionError, match="re-tokenised"):  # so is another file content
+        write_jsonl(tmp_path / "d.jsonl", rows(6))
+        build(tok, tmp_path, [path])
+
+
+def test_tokenizer_change_invalidates_cache(tmp_path, load_tok, tiny_bpe_path, qwen25_path):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(3))
+    _, a = build(load_tok(tiny_bpe_path), tmp_path, [path])
+    _, b = build(load_tok(qwen25_path), tmp_path, [path])
+    assert (a.sources[0]["cache"], b.sources[0]["cache"]) == ("miss", "miss")
+
+
+def test_dedupe_weights_and_no_assistant(tmp_path, tok):
+    data = rows(4) + [rows(1)[0]] + [{"messages": [{"role": "user", "content": "alone"}]}]
+    data[4]["messages"][0]["content"] = "  q0   QUESTION "  # same text after normalisation
+    a = write_jsonl(tmp_path / "a.jsonl", data)
+    b = write_jsonl(tmp_path / "b.jsonl", rows(2, prefix="B"))
+    ds, rep = build(tok, tmp_path, [{"path": a}, {"path": b, "weight": 2.0}])
+    assert rep.sources[0]["no_assistant"] == 1
+    assert rep.duplicates_removed == 1
+    assert len(ds) == 4 + 4  # weight 2 repeats b's two rows on purpose
+    _, rep = build(tok, tmp_path, [{"path": a}], clean=CleanConfig(dedupe=False))
+    assert rep.examples == 5
+
+
+def test_truncation_and_length_filters(tmp_path, tok):
+    long = [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "word " * 200}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows(3) + long)
+    ds, rep = build(tok, tmp_path, [path], max_length=64)
+    assert rep.truncated == 1 and ds.lengths.max() == 64
+    ds, rep = build(tok, tmp_path, [path], max_length=64, truncation="drop")
+    assert rep.dropped_over_length == 1 and len(ds) == 3
+    ds, rep = build(tok, tmp_path, [path], max_length=1024, clean=CleanConfig(max_tokens=100))
+    assert rep.too_long == 1
+    ds, rep = build(tok, tmp_path, [path], max_length=1024, clean=CleanConfig(min_tokens=100))
+    assert rep.too_short == 3
+
+
+def test_pii_scrub(tmp_path, tok):
+    row = {"messages": [{"role": "user", "content": "mail me at jane.doe@example.com or call +1 415-555-0132"},
+                        {"role": "assistant", "content": "card 4111 1111 1111 1111 from 192.168.1.20"}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    ds, rep = build(tok, tmp_path, [path], clean=CleanConfig(pii_scrub=True))
+    text = tok.decode(ds.input_ids)
+    for secret in ("jane.doe", "555-0132", "4111", "192.168"):
+        assert secret not in text
+    assert rep.sources[0]["pii_replaced"] == {"email": 1, "phone": 1, "card": 1, "ip": 1}
+    assert "[EMAIL]" in text and "[CREDIT_CARD]" in text
+
+
+def test_bad_rows_error_or_skip(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2) + [{"messages": [{"role": "robot", "content": "x"}]}])
+    with pytest.raises(DataError) as err:
+        build(tok, tmp_path, [path])
+    assert (err.value.row, err.value.field) == (3, "messages[0].role") and "d.jsonl" in str(err.value)
+    ds, rep = build(tok, tmp_path, [path], on_bad_row="skip")
+    assert len(ds) == 2 and rep.sources[0]["bad_rows"] == 1
+
+
+def test_labels_first_token_never_counts(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "all tokens train"}])
+    ds, _ = build(tok, tmp_path, [path])
+    assert ds.target_counts[0] == ds.lengths[0] - 1
+    assert (ds.labels != IGNORE_INDEX).all()
