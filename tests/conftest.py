@@ -130,3 +130,29 @@ CHAT = [
     {"role": "user", "content": "And two plus two?"},
     {"role": "assistant", "content": "Two plus two equals four."},
 ]
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A randomly initialised fp32 model of the given family, built from a config (no download)."""
+    import torch
+    import transformers as tf
+
+    cfgs = {
+        "llama": lambda: tf.LlamaConfig(**TINY, tie_word_embeddings=False),
+        "qwen2": lambda: tf.Qwen2Config(**TINY, tie_word_embeddings=True),
+        "mistral": lambda: tf.MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
+        "gemma": lambda: tf.GemmaConfig(**TINY, head_dim=16, tie_word_embeddings=True),
+    }
+    cfg = cfgs[arch]()
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval()
+
+
+ARCHS = ("llama", "qwen2", "mistral", "gemma")

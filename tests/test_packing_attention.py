@@ -1,0 +1,135 @@
+"""Packed examples are isolated: same logits as alone, no influence, zero cross gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import ARCHS, tiny_model
+
+from leansft.data.dataset import TokenizedDataset
+from leansft.data.template import IGNORE_INDEX
+from leansft.errors import ModelError
+from leansft.model.attention import VARLEN, packed_forward, sdpa_varlen_attention, use_packed_attention
+from leansft.plan.pack import bfd
+from leansft.train.collate import collate_padded, collate_packed, collate_rows, micro_batches
+from leansft.train.loss import chunked_loss
+
+
+def dataset(seqs: list[list[int]], prompt: int = 2) -> TokenizedDataset:
+    ids = np.concatenate([np.asarray(s, np.int32) for s in seqs])
+    labels = ids.copy()
+    off = np.zeros(len(seqs) + 1, np.int64)
+    np.cumsum([len(s) for s in seqs], out=off[1:])
+    for a in off[:-1]:
+        labels[a : a + prompt] = IGNORE_INDEX  # a short "prompt" without loss
+    n = len(seqs)
+    return TokenizedDataset(ids, labels, off, np.arange(n), np.zeros(n, np.int32), np.arange(n))
+
+
+def run(model, data, examples):
+    ex = np.asarray(examples)
+    batch = collate_packed(data, ex, np.zeros_like(ex), data.lengths[ex])
+    return batch, packed_forward(model, batch)
+
+
+def logits_of(model, hidden):
+    return hidden @ model.get_output_embeddings().weight.t()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_example_equals_alone_and_sees_nothing_else(arch):
+    model = tiny_model(arch)
+    use_packed_attention(model, VARLEN)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(0, 512, (11,), generator=g).tolist(), torch.randint(0, 512, (9,), generator=g).tolist()
+    a2 = torch.randint(0, 512, (11,), generator=g).tolist()
+    data = dataset([a, b, a2])
+    with torch.no_grad():
+        _, h_pack = run(model, data, [0, 1])
+        _, h_alone = run(model, data, [1])
+        _, h_other = run(model, data, [2, 1])
+    lb_pack, lb_alone = logits_of(model, h_pack)[0, 11:], logits_of(model, h_alone)[0]
+    assert (lb_pack - lb_alone).abs().max() < 1e-4
+    assert torch.equal(h_pack[0, 11:], h_other[0, 11:])  # A's tokens change nothing in B
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gradient_of_b_wrt_a_embeddings_is_zero(arch):
+    model = tiny_model(arch)
+    use_packed_attention(model, VARLEN)
+    data = dataset([list(range(5, 17)), list(range(40, 50))])
+    captured = {}
+
+    def keep(_m, _i, out):
+        out.retain_grad()
+        captured["emb"] = out
+
+    model.get_input_embeddings().register_forward_hook(keep)
+    batch, hidden = run(model, data, [0, 1])
+    loss_b, n = chunked_loss(hidden[:, 12:], model.get_output_embeddings().weight, batch.labels[:, 12:])
+    assert n > 0
+    loss_b.backward()
+    grad = captured["emb"].grad[0]
+    assert torch.count_nonzero(grad[:12]) == 0
+    assert torch.count_nonzero(grad[12:]) > 0
+
+
+def test_positions_restart_per_example():
+    data = dataset([[1] * 4, [2] * 3, [3] * 5])
+    batch = collate_packed(data, np.array([0, 1, 2]), np.zeros(3, np.int64), data.lengths)
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]
+    assert batch.cu_seqlens.tolist() == [0, 4, 7, 12] and batch.cu_seqlens.dtype == torch.int32
+    assert batch.max_seqlen == 5
+    # the first token of every example carries no label: no target crosses an example boundary
+    assert (batch.labels[0, batch.cu_seqlens[:-1].long()] == IGNORE_INDEX).all()
+
+
+def test_split_pieces_and_micro_batches_by_token_budget():
+    lengths = [30, 10, 25, 7, 50]
+    data = dataset([list(range(1, n + 1)) for n in lengths])
+    plan = bfd(data.lengths, 40)
+    groups = micro_batches(plan, 64)
+    assert all(plan.row_tokens[g].sum() <= 64 for g in groups)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(plan.num_rows))
+    batch = collate_rows(data, plan, groups[0])
+    assert batch.real_tokens == plan.row_tokens[groups[0]].sum()
+    piece = collate_packed(data, np.array([4]), np.array([20]), np.array([10]))  # a bfd_split piece
+    assert piece.input_ids[0].tolist() == list(range(21, 31)) and piece.position_ids[0, 0] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_loss_parity_with_padded_eager_forward(arch):
+    model = tiny_model(arch)
+    seqs = [list(range(3, 3 + n)) for n in (13, 6, 20)]
+    data = dataset(seqs, prompt=3)
+    use_packed_attention(model, VARLEN)
+    with torch.no_grad():
+        batch, hidden = run(model, data, [0, 1, 2])
+    w = model.get_output_embeddings().weight
+    cu = batch.cu_seqlens.tolist()
+    packed = [float(chunked_loss(hidden[:, s:e], w, batch.labels[:, s:e], chunk_size=4)[0]) for s, e in zip(cu, cu[1:])]
+    model.config._attn_implementation = "eager"
+    pb = collate_padded(data, np.arange(3), pad_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=pb.input_ids, attention_mask=pb.attention_mask).logits
+    ref = []
+    for i in range(3):
+        lg, lab = logits[i, :-1], pb.labels[i, 1:]
+        ref.append(float(torch.nn.functional.cross_entropy(lg, lab, ignore_index=IGNORE_INDEX, reduction="sum")))
+    np.testing.assert_allclose(packed, ref, rtol=1e-4)
+
+
+def test_mixing_backends_are_refused():
+    model = tiny_model("llama")
+    data = dataset([[1, 2, 3], [4, 5, 6]])
+    batch = collate_packed(data, np.array([0, 1]), np.zeros(2, np.int64), data.lengths)
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(ModelError, match="attend to each other"):
+        packed_forward(model, batch)
+    use_packed_attention(model, VARLEN)
+    with pytest.raises(ModelError, match="use_cache"):
+        packed_forward(model, batch, use_cache=True)
+    q = torch.zeros(1, 4, 6, 16)
+    with pytest.raises(ModelError, match="cu_seq_lens"):
+        sdpa_varlen_attention(model.model.layers[0].self_attn, q, q, q, None)
