@@ -34,16 +34,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 logits = capped * softcap
             lse = torch.logsumexp(logits, dim=-1)
             rows = torch.arange(len(t), device=t.device)
-            total += (lse - logits[rows, t]).sum()
+            total += (lse - logits[rows, t]).sum()  # before the buffer is reused below
             if need_h or need_w:
-                g = torch.exp(logits - lse[:, None])  # softmax, reusing the logits buffer's size once
+                g = logits.sub_(lse[:, None]).exp_()  # softmax in the logits' own buffer
                 g[rows, t] -= 1.0
                 if softcap is not None:
                     g *= 1.0 - capped * capped
                 if need_h:
                     grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w += g.t() @ h.float()
+                    grad_w.addmm_(g.t(), h.float())
             del logits
         ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
         ctx.has = (need_h, need_w)
@@ -55,9 +55,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = list(ctx.saved_tensors)
         need_h, need_w = ctx.has
-        gh = saved.pop(0) * grad_out.to(torch.float32) if need_h else None
-        gh = gh.to(ctx.hidden_dtype) if gh is not None else None
-        gw = (saved.pop(0) * grad_out).to(ctx.weight_dtype) if need_w else None
+        # In place: the stored gradients are used once (no double backward through this loss).
+        gh = saved.pop(0).mul_(grad_out.to(ctx.hidden_dtype)) if need_h else None
+        gw = saved.pop(0).mul_(grad_out).to(ctx.weight_dtype) if need_w else None
         return gh, gw, None, None, None
 
 
