@@ -17,6 +17,15 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(show_time=False, show_path=False)])
     logging.getLogger("leansft").setLevel(logging.INFO)
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
     for noisy in ("transformers", "datasets", "httpx", "huggingface_hub", "peft"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 

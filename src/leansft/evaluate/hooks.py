@@ -1,0 +1,91 @@
+"""What the training loop asks of evaluation: eval loss on schedule, samples, best tracking, early stop."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from rich.console import Console
+
+from leansft.evaluate.loss import evaluate
+from leansft.evaluate.samples import generate
+from leansft.train import distributed as dist
+
+log = logging.getLogger("leansft")
+
+
+class EvalRunner:
+    def __init__(self, cfg, model, prep, device, amp, out: Path) -> None:
+        self.cfg, self.model, self.prep, self.device, self.amp, self.out = cfg, model, prep, device, amp, out
+        self.last_eval_loss: float | None = None
+        self.best: float | None = None
+        self.bad_evals = 0
+        self.should_stop = False
+        self.console = Console()
+
+    def prompts(self) -> list:
+        e = self.cfg.eval
+        if e.prompts:
+            return list(e.prompts)
+        if self.prep.eval is None or e.num_samples == 0:
+            return []
+        from leansft.data.template import IGNORE_INDEX
+
+        out = []
+        for i in range(min(e.num_samples, len(self.prep.eval))):
+            ids, labels = self.prep.eval.example(i)
+            first = next((k for k, lab in enumerate(labels) if lab != IGNORE_INDEX), len(ids))
+            out.append(ids[:first].tolist())  # rendered prompt, ending in the generation prompt
+        return out
+
+    def run_eval(self) -> dict:
+        return evaluate(self.model, self.prep.eval, self.cfg.data.max_length,
+                        self.cfg.batching.tokens_per_micro_batch, self.cfg.training.loss_chunk_size, self.device,
+                        self.amp)
+
+    def maybe_eval(self, step: int, total: int, counters: dict) -> dict | None:
+        every = self.cfg.eval.eval_every
+        if self.prep.eval is None or not every or (step % every and step != total and step != 0):
+            return None
+        result = self.run_eval()
+        self.last_eval_loss = result["eval_loss"]
+        if self.best is None or result["eval_loss"] < self.best:
+            self.best, self.bad_evals = result["eval_loss"], 0
+        else:
+            self.bad_evals += 1
+            patience = self.cfg.eval.early_stopping_patience
+            self.should_stop = bool(patience and self.bad_evals >= patience)
+        return result
+
+    def maybe_sample(self, step: int, total: int) -> list[str] | None:
+        every = self.cfg.eval.samples_every
+        if not every or (step % every and step != total and step != 0):
+            return None
+        prompts = self.prompts()
+        if not prompts:
+            return None
+        e = self.cfg.eval
+        answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
+                           max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+                           seed=self.cfg.training.seed)
+        if dist.rank() == 0:
+            with (self.out / "samples.jsonl").open("a") as fh:
+                for p, a in zip(prompts, answers):
+                    text = p if isinstance(p, str) else self.prep.tokenizer.decode(p) if not isinstance(p[0], dict) \
+                        else p[-1]["content"]
+                    fh.write(json.dumps({"step": step, "prompt": text, "answer": a}) + "\n")
+                    self.console.print(f"[dim]step {step} sample:[/] {text[-160:].strip()!r}\n  [bold]-> {a!r}[/]")
+        return answers
+
+    def print_record(self, r: dict) -> None:
+        parts = [f"step {r['step']}"]
+        if "loss" in r:
+            parts += [f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.2f}",
+                      f"{r['real_tokens_per_s']:,.0f} tok/s", f"pad {r['padding_share']:.1%}"]
+            if r.get("mfu") is not None:
+                parts.append(f"mfu {r['mfu']:.1%}")
+        if "eval_loss" in r:
+            parts += [f"eval_loss {r['eval_loss']:.4f}", f"ppl {r['eval_perplexity']:.2f}",
+                      f"acc {r['eval_token_accuracy']:.1%}"]
+        self.console.print("  ".join(parts))

@@ -1,0 +1,74 @@
+"""The training order: per epoch a seeded plan, its rows shuffled, grouped into micro-batches.
+
+Everything is a function of (seed, epoch), so a data position is just (epoch, micro-batch index)
+and a resumed run regenerates exactly the same sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from leansft.config import BatchingConfig
+from leansft.data.dataset import TokenizedDataset
+from leansft.plan.pack import PACKED, PackPlan, deal_to_ranks, pack
+from leansft.train.collate import PackedBatch, PaddedBatch, collate_padded, collate_rows, micro_batches
+
+
+@dataclass
+class Position:
+    epoch: int = 0
+    index: int = 0  # next micro-batch within the epoch
+
+
+class Batcher:
+    def __init__(self, data: TokenizedDataset, cfg: BatchingConfig, max_length: int, pad_id: int, seed: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.data, self.cfg, self.max_length, self.pad_id, self.seed = data, cfg, max_length, pad_id, seed
+        self.rank, self.world_size = rank, world_size
+        self._epoch_cache: tuple[int, PackPlan, list[np.ndarray]] | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.cfg.strategy in PACKED
+
+    def epoch_plan(self, epoch: int) -> tuple[PackPlan, list[np.ndarray]]:
+        """This rank's micro-batches (arrays of plan rows) for ``epoch``; equal count on every rank."""
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1], self._epoch_cache[2]
+        seed = self.seed + 1000 * epoch
+        plan = pack(self.cfg.strategy, self.data.lengths, self.max_length, batch_size=self.cfg.batch_size,
+                    window=self.cfg.window, seed=seed)
+        order = np.random.default_rng(seed).permutation(plan.num_rows)
+        if self.packed:
+            if self.world_size > 1:
+                mine = deal_to_ranks(plan.row_tokens, self.world_size)[self.rank]
+                order = mine[np.random.default_rng(seed).permutation(len(mine))]
+            groups = micro_batches(plan, self.cfg.tokens_per_micro_batch, order)
+        else:
+            groups = [np.asarray([r]) for r in order[self.rank :: self.world_size]]
+        self._epoch_cache = (epoch, plan, groups)
+        return plan, groups
+
+    def micro_batches_per_epoch(self) -> int:
+        return len(self.epoch_plan(0)[1])
+
+    def collate(self, plan: PackPlan, rows: np.ndarray) -> PackedBatch | PaddedBatch:
+        if self.packed:
+            return collate_rows(self.data, plan, rows)
+        (row,) = rows
+        return collate_padded(self.data, plan.row(int(row))[0], self.pad_id, self.max_length)
+
+    def steps(self, pos: Position, accumulation: int) -> Iterator[tuple[list[PackedBatch | PaddedBatch], Position]]:
+        """Yield (micro-batches of one optimizer step, position after it) forever, across epochs."""
+        epoch, index = pos.epoch, pos.index
+        while True:
+            plan, groups = self.epoch_plan(epoch)
+            if index + accumulation > len(groups):  # an incomplete last step is dropped: every step is full
+                epoch, index = epoch + 1, 0
+                continue
+            batches = [self.collate(plan, g) for g in groups[index : index + accumulation]]
+            index += accumulation
+            yield batches, Position(epoch, index)
