@@ -156,3 +156,41 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
 
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma")
+
+
+ALPACA = str(Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_run_assets(assets, tiny_bpe_path):
+    """A tiny Llama saved with the tiny BPE tokenizer, and 96 real alpaca rows as jsonl."""
+    import transformers as tf
+
+    folder = assets / "tiny_llama"
+    if not (folder / "config.json").exists():
+        tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+        import torch
+
+        torch.manual_seed(0)
+        cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
+                             tie_word_embeddings=False)
+        tf.LlamaForCausalLM(cfg).save_pretrained(folder)
+        tok.save_pretrained(folder)
+    rows = json.loads(Path(ALPACA).read_text())[:96]
+    data = assets / "alpaca96.jsonl"
+    write_jsonl(data, rows)
+    return {"model": str(folder), "data": str(data)}
+
+
+def run_config(tmp_path, assets: dict, *overrides: str):
+    """A small, fast training config (CPU, fp32) with dotted overrides."""
+    from leansft.config import load_config
+
+    base = [
+        f"model={assets['model']}", f"output_dir={tmp_path / 'run'}", f"data.sources=[{assets['data']}]",
+        "data.max_length=192", f"data.cache_dir={tmp_path / 'cache'}", "batching.tokens_per_micro_batch=384",
+        "batching.gradient_accumulation=2", "training.max_steps=6", "training.learning_rate=3e-3",
+        "training.warmup_steps=1", "logging.log_every=1", "checkpoint.export=false",
+    ]
+    return load_config(None, base + list(overrides))

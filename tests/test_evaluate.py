@@ -1,0 +1,115 @@
+"""Held-out evaluation, generation samples, best-checkpoint retention, reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_config, tiny_model
+
+from leansft.cli import main
+from leansft.data.template import IGNORE_INDEX, resolve_template
+from leansft.evaluate.loss import evaluate
+from leansft.evaluate.samples import generate, stop_token_ids
+from leansft.model.attention import VARLEN, use_packed_attention
+from leansft.train import checkpoint as ckpt
+from leansft.train.collate import collate_padded
+from leansft.train.loop import train
+
+
+def _data(tmp_path, tok, n=12):
+    from test_dataset import build, rows
+
+    from conftest import write_jsonl
+
+    return build(tok, tmp_path, [write_jsonl(tmp_path / "d.jsonl", rows(n))])[0]
+
+
+def test_eval_loss_equals_padded_transformers_forward(tmp_path, load_tok, tiny_bpe_path):
+    tok = load_tok(tiny_bpe_path)
+    data = _data(tmp_path, tok)
+    model = tiny_model("llama", vocab_size=len(tok))
+    use_packed_attention(model, VARLEN)
+    packed = evaluate(model, data, max_length=256, tokens_per_micro_batch=64)
+    model.config._attn_implementation = "eager"
+    batch = collate_padded(data, np.arange(len(data)), pad_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch.labels[:, 1:].reshape(-1),
+                                           ignore_index=IGNORE_INDEX, reduction="sum")
+    n = int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
+    assert packed["eval_targets"] == n
+    assert packed["eval_loss"] == pytest.approx(float(ce) / n, rel=1e-5)
+    # one example per micro-batch (unpacked) gives the same number
+    use_packed_attention(model, VARLEN)
+    single = evaluate(model, data, max_length=256, tokens_per_micro_batch=1)
+    assert single["eval_loss"] == pytest.approx(packed["eval_loss"], rel=1e-5)
+    assert 0 <= packed["eval_token_accuracy"] <= 1
+
+
+def test_sampling_reproducible_stops_at_end_of_turn_and_restores_train_mode(load_tok, tiny_bpe_path):
+    tok = load_tok(tiny_bpe_path)
+    template = resolve_template(tok, None)
+    model = tiny_model("llama", vocab_size=len(tok), attention_dropout=0.1)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in stop_token_ids(tok, template)
+    use_packed_attention(model, VARLEN)
+    model.train()
+    a = generate(model, tok, template, ["Hello there"], max_new_tokens=12, temperature=0.7, top_p=0.9, seed=3)
+    b = generate(model, tok, template, ["Hello there"], max_new_tokens=12, temperature=0.7, top_p=0.9, seed=3)
+    assert a == b
+    assert model.training and all(m.training for m in model.modules())
+    assert model.config._attn_implementation == VARLEN
+
+    def favour_end_of_turn(_m, _i, logits):
+        logits[..., im_end] += 1e4
+        return logits
+
+    model.lm_head.register_forward_hook(favour_end_of_turn)
+    (short,) = generate(model, tok, template, ["Hello there"], max_new_tokens=12, temperature=0.0)
+    assert short == ""  # stopped at <|im_end|> at once, the stop token not included
+
+
+def _fake_checkpoints(folder: Path, losses: dict[int, float | None]) -> None:
+    for step, loss in losses.items():
+        p = folder / f"step-{step}"
+        p.mkdir(parents=True)
+        (p / "state.json").write_text(json.dumps({"step": step, "eval_loss": loss}))
+
+
+def test_best_m_retention_keeps_lowest_eval_losses_plus_latest(tmp_path):
+    _fake_checkpoints(tmp_path, {10: 2.0, 20: 1.5, 30: 1.7, 40: 1.2, 50: 1.9, 60: 1.8})
+    kept = ckpt.prune(tmp_path, keep_last=1, keep_best=2)
+    assert [p.name for p in kept] == ["step-20", "step-40", "step-60"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-20", "step-40", "step-60"]
+
+
+def test_early_stopping_and_report(tmp_path, tiny_run_assets):
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=40", "training.learning_rate=0.5",
+                     "data.eval_split=0.1", "eval.eval_every=2", "eval.early_stopping_patience=2",
+                     "eval.samples_every=2", "eval.num_samples=1", "eval.max_new_tokens=4",
+                     "training.max_grad_norm=null")
+    train(cfg)
+    run = Path(cfg.output_dir)
+    records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] < 40  # a huge learning rate makes eval loss worse; patience 2 stops it
+    assert (run / "samples.jsonl").exists()
+    assert main(["report", str(run)]) == 0
+    md = (run / "report.md").read_text()
+    assert (run / "report.png").stat().st_size > 5000
+    evals = [r for r in records if "eval_loss" in r]
+    assert f"{evals[-1]['eval_loss']:.4f}" in md and "Last samples" in md and "learning_rate" in md
+
+
+def test_eval_and_generate_commands(tmp_path, tiny_run_assets, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["eval", tiny_run_assets["model"], "--data", tiny_run_assets["data"], "--max-length", "128",
+                 "--cache-dir", str(tmp_path / "c"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["eval_loss"] > 0 and result["eval_perplexity"] > 1
+    assert main(["generate", tiny_run_assets["model"], "--prompt", "Hi", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0
+    assert "perplexity" in capsys.readouterr().out

@@ -1,0 +1,148 @@
+"""`leansft train` end to end on CPU with a tiny model and real alpaca rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_config
+
+from leansft.config import load_config
+from leansft.errors import ConfigError, LeanSFTError
+from leansft.train import checkpoint as ckpt
+from leansft.train.loop import train
+
+KEYS = {"step", "loss", "lr", "grad_norm", "real_tokens_per_s", "target_tokens_per_s", "padding_share",
+        "tokens_seen", "examples_seen", "peak_memory_bytes", "mfu"}
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.mark.slow
+def test_loss_decreases_and_export_loads(tmp_path, tiny_run_assets):
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=24", "checkpoint.export=true",
+                     "data.eval_split=0.1", "eval.eval_every=12")
+    last = train(cfg)
+    assert KEYS <= set(last)
+    run = Path(cfg.output_dir)
+    records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(evals) == 3 and evals[-1] < evals[0] - 0.5  # step 0, 12, 24
+    tl = [r["loss"] for r in records if "loss" in r]
+    assert sum(tl[-4:]) / 4 < sum(tl[:4]) / 4 - 0.5
+    assert last["padding_share"] == 0.0 and last["mfu"] is None  # no known peak on a CPU
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    assert tok.chat_template
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_resume_is_exact(tmp_path, tiny_run_assets):
+    full = run_config(tmp_path / "a", tiny_run_assets, "training.max_steps=6")
+    train(full)
+    reference = losses(Path(full.output_dir))
+
+    cut = run_config(tmp_path / "b", tiny_run_assets, "training.max_steps=6", "checkpoint.save_every=3")
+
+    def crash(step, loss):
+        if step == 5:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(cut, hooks={"after_step": crash})
+    assert [p.name for p in ckpt.list_checkpoints(Path(cut.output_dir) / "checkpoints")] == ["step-3"]
+    train(cut, resume="auto")
+    resumed = losses(Path(cut.output_dir))
+    assert resumed == reference  # bitwise: every step's loss, before and after the resume
+
+
+def test_crash_during_checkpoint_write_keeps_the_last_good_one(tmp_path, tiny_run_assets, monkeypatch):
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=4", "checkpoint.save_every=2")
+    real_save = ckpt.save_file
+    calls = {"n": 0}
+
+    def flaky(tensors, path):
+        calls["n"] += 1
+        if calls["n"] == 5:  # second checkpoint, after its model file was written
+            raise OSError("disk full")
+        return real_save(tensors, path)
+
+    monkeypatch.setattr(ckpt, "save_file", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        train(cfg)
+    folder = Path(cfg.output_dir) / "checkpoints"
+    good = ckpt.list_checkpoints(folder)
+    assert [p.name for p in good] == ["step-2"]
+    assert not list(folder.glob(".tmp-*"))
+    state = json.loads((good[0] / "state.json").read_text())
+    assert state["step"] == 2
+    monkeypatch.setattr(ckpt, "save_file", real_save)
+    train(cfg, resume="auto")  # and it resumes from it
+    assert max(losses(Path(cfg.output_dir))) is not None
+
+
+def test_lora_saves_adapters_only_and_merges_on_export(tmp_path, tiny_run_assets):
+    cfg = run_config(tmp_path, tiny_run_assets, "training.method=lora", "training.lora.r=4",
+                     "training.max_steps=2", "checkpoint.export=true", "training.learning_rate=1e-2")
+    train(cfg)
+    run = Path(cfg.output_dir)
+    from safetensors.torch import load_file
+
+    saved = load_file(ckpt.list_checkpoints(run / "checkpoints")[-1] / "model.safetensors")
+    assert saved and all("lora_" in k for k in saved)
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(run / "final")
+    base = AutoModelForCausalLM.from_pretrained(tiny_run_assets["model"])
+    assert not any("lora" in k for k in merged.state_dict())
+    diff = (merged.model.layers[0].self_attn.q_proj.weight - base.model.layers[0].self_attn.q_proj.weight).abs()
+    assert diff.max() > 0  # the adapters were merged into the base weights
+
+
+def test_nan_loss_stops_naming_the_step(tmp_path, tiny_run_assets, monkeypatch):
+    from leansft.train import step as step_mod
+
+    monkeypatch.setattr(step_mod.LossModule, "forward", lambda self, b: torch.tensor(float("nan"), requires_grad=True))
+    with pytest.raises(LeanSFTError, match="at step 1"):
+        train(run_config(tmp_path, tiny_run_assets))
+
+
+def test_padded_and_sorted_strategies_train_and_report_padding(tmp_path, tiny_run_assets):
+    for strategy in ("padded", "sorted"):
+        cfg = run_config(tmp_path / strategy, tiny_run_assets, f"batching.strategy={strategy}",
+                         "batching.batch_size=4", "training.max_steps=2")
+        last = train(cfg)
+        assert last["padding_share"] > 0
+
+
+def test_config_errors_name_key_and_file(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("model: m\ntraining:\n  learning_rte: 1e-4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(bad))
+    assert "training.learning_rte" in str(err.value) and "unknown key" in str(err.value) and "c.yaml" in str(err.value)
+    bad.write_text("model: m\ntraining:\n  max_steps: lots\n")
+    with pytest.raises(ConfigError, match="training.max_steps"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="batching.gradient_accumulation"):
+        load_config(None, ["batching.gradient_accumulation=0"])
+    cfg = load_config(None, ["training.max_steps=20", "output_dir=/tmp/x", "data.sources=[a.jsonl]"])
+    assert cfg.training.max_steps == 20 and cfg.data.sources[0].path == "a.jsonl"
+
+
+def test_missing_data_file_is_a_clear_error(tmp_path, tiny_run_assets):
+    cfg = run_config(tmp_path, tiny_run_assets, f"data.sources=[{tmp_path / 'nope.jsonl'}]")
+    with pytest.raises(LeanSFTError, match="nope.jsonl: file not found"):
+        train(cfg)
