@@ -146,3 +146,12 @@ def test_missing_data_file_is_a_clear_error(tmp_path, tiny_run_assets):
     cfg = run_config(tmp_path, tiny_run_assets, f"data.sources=[{tmp_path / 'nope.jsonl'}]")
     with pytest.raises(LeanSFTError, match="nope.jsonl: file not found"):
         train(cfg)
+
+
+@pytest.mark.parametrize("name", ["lora_alpaca.yaml", "full_multi_source.yaml", "multi_gpu_fsdp.yaml", "demo.yaml"])
+def test_example_configs_validate(name):
+    path = Path(__file__).parents[1] / "examples" / name
+    if not path.exists():
+        pytest.skip(f"{name} not shipped")
+    cfg = load_config(str(path))
+    assert cfg.model and cfg.data.sources

@@ -92,6 +92,22 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_lm_eval(args) -> int:
+    """Optional: lm-evaluation-harness on an exported model folder, when the lm-eval package is installed."""
+    try:
+        import lm_eval
+    except ImportError:
+        from leansft.errors import LeanSFTError
+
+        raise LeanSFTError("leansft lm-eval needs the lm-eval package (pip install lm-eval)") from None
+    results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={args.model}", tasks=args.tasks.split(","),
+                                      limit=args.limit, apply_chat_template=True)
+    print(json.dumps(results.get("results", {}), indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results.get("results", {}), indent=2))
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from leansft.config import load_config
     from leansft.doctor import run_doctor
@@ -138,6 +154,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("report", help="plots and a one-page summary of a run folder")
     r.add_argument("run_dir")
     r.set_defaults(func=cmd_report)
+
+    le = sub.add_parser("lm-eval", help="optional: run lm-evaluation-harness on an exported model (needs lm-eval)")
+    le.add_argument("model")
+    le.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    le.add_argument("--limit", type=int, default=None)
+    le.add_argument("--json", default=None)
+    le.set_defaults(func=cmd_lm_eval)
 
     d = sub.add_parser("doctor", help="pre-flight correctness checks on the real model and data")
     d.add_argument("config")

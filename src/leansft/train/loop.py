@@ -196,7 +196,7 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
     n_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     mcfg = model.config
     peak = device_peak_flops(device, cfg.logging.peak_flops)
-    metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0)
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
     config_dict = cfg.model_dump(mode="json")
     if rank == 0:
         (out / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))

@@ -37,15 +37,31 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsLog:
-    """One JSON object per line in OUTPUT_DIR/metrics.jsonl (appended across resumes)."""
+    """One JSON object per line in OUTPUT_DIR/metrics.jsonl (appended across resumes); TensorBoard optional."""
 
-    def __init__(self, path: Path, enabled: bool = True) -> None:
+    def __init__(self, path: Path, enabled: bool = True, tensorboard: bool = False) -> None:
         self.path, self.enabled = path, enabled
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                from leansft.errors import ConfigError
+
+                raise ConfigError("logging.tensorboard needs the tensorboard package (pip install tensorboard)",
+                                  field="logging.tensorboard") from None
+            self.tb = SummaryWriter(str(path.parent / "tensorboard"))
 
     def write(self, record: dict) -> None:
-        if self.enabled:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+        if not self.enabled:
+            return
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+            self.tb.flush()
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint (they will be logged again)."""

@@ -1,0 +1,114 @@
+"""`leansft doctor`: each check passes on a correct set-up and fails on a deliberately broken one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_config
+
+from leansft import doctor
+from leansft.cli import main
+from leansft.model import attention as attn_mod
+
+
+def statuses(cfg) -> dict[str, str]:
+    return {c.name: c.status for c in doctor.run_checks(cfg)}
+
+
+def test_all_checks_pass_on_a_correct_setup(tmp_path, tiny_run_assets):
+    cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")
+    got = statuses(cfg)
+    assert set(got) == {"template", "truncation", "isolation", "positions", "normalisation", "memory", "throughput"}
+    assert all(s == "PASS" for s in got.values()), got
+
+
+def test_mixing_attention_fails_isolation(tmp_path, tiny_run_assets, monkeypatch):
+    def mixing(module, q, k, v, mask, scaling=None, dropout=0.0, **kw):  # causal over the whole row
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    monkeypatch.setattr(attn_mod, "sdpa_varlen_attention", mixing)
+    cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")
+    checks = {c.name: c for c in doctor.run_checks(cfg)}
+    assert checks["isolation"].status == "FAIL"
+    assert checks["isolation"].numbers["max_hidden_diff_when_first_example_changes"] > 0
+    assert checks["isolation"].fix
+
+
+def test_template_without_findable_assistant_turns_fails(tmp_path, tiny_run_assets):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}Assistant:{% endif %}")
+    cfg = run_config(tmp_path, tiny_run_assets, f"data.template={broken}")
+    checks = doctor.run_checks(cfg)
+    assert checks[0].name == "template" and checks[0].status == "FAIL"
+    assert "prefix" in checks[0].message and checks[0].fix
+
+
+def test_end_of_turn_masked_like_a_pad_token_fails(tmp_path, tiny_run_assets, monkeypatch):
+    from leansft.data.template import ChatEncoder
+
+    real = ChatEncoder._labels
+
+    def pad_masking(self, ids, *a):  # the classic bug: labels[ids == pad_id] = -100 with pad == eos
+        labels = real(self, ids, *a)
+        labels[ids == self.tok.pad_token_id] = -100
+        return labels
+
+    monkeypatch.setattr(ChatEncoder, "_labels", pad_masking)
+    cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")
+    checks = {c.name: c for c in doctor.run_checks(cfg)}
+    assert checks["template"].status == "FAIL"
+    assert "pad token == eos" in checks["template"].message
+
+
+def test_max_length_that_truncates_most_examples_fails(tmp_path, tiny_run_assets):
+    got = statuses(run_config(tmp_path, tiny_run_assets, "data.max_length=48", "batching.tokens_per_micro_batch=96"))
+    assert got["truncation"] == "FAIL"
+
+
+def test_positions_that_do_not_restart_fail(tmp_path, tiny_run_assets, monkeypatch):
+    from leansft.train import collate
+
+    real = collate.collate_packed
+
+    def no_restart(*a, **k):
+        b = real(*a, **k)
+        b.position_ids = torch.arange(b.input_ids.shape[1])[None]
+        return b
+
+    monkeypatch.setattr(collate, "collate_packed", no_restart)
+    got = statuses(run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096"))
+    assert got["positions"] == "FAIL"
+
+
+def test_per_micro_batch_mean_loss_fails_normalisation(tmp_path, tiny_run_assets, monkeypatch):
+    from leansft.train import step as step_mod
+
+    real = step_mod.LossModule.forward
+
+    def mean_loss(self, batch):  # the classic bug: each micro-batch averaged over its own tokens
+        return real(self, batch) / max(batch.target_tokens, 1) * 100
+
+    monkeypatch.setattr(step_mod.LossModule, "forward", mean_loss)
+    got = statuses(run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096"))
+    assert got["normalisation"] == "FAIL"
+
+
+def test_cli_exit_codes_and_json(tmp_path, tiny_run_assets):
+    import yaml
+
+    cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=48", "batching.tokens_per_micro_batch=96")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    out = tmp_path / "doctor.json"
+    assert main(["doctor", str(path), "--json", str(out)]) == 1
+    results = json.loads(out.read_text())
+    assert {r["name"]: r["status"] for r in results}["truncation"] == "FAIL"
+    assert main(["train", str(path), "--doctor"]) == 1  # refuses to train
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert np.isfinite(results[-1]["numbers"]["real_tokens_per_s"])
