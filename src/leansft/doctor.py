@@ -228,11 +228,13 @@ def run_checks(cfg: RunConfig) -> list[Check]:
     from leansft.data.template import resolve_template
     from leansft.data.tokenizer import load_tokenizer
     from leansft.train.batches import Batcher
-    from leansft.train.loop import autocast_dtype, build_model, pick_device, seed_everything
+    from leansft.model.load import resolve_package_path
+    from leansft.train.loop import autocast_dtype, build_model, model_location, pick_device, seed_everything
 
     seed_everything(cfg.training.seed)
     checks: list[Check] = []
-    tok = load_tokenizer(cfg.tokenizer or cfg.model)
+    model_path = model_location(cfg)
+    tok = load_tokenizer(resolve_package_path(cfg.tokenizer) if cfg.tokenizer else model_path)
     try:
         template = resolve_template(tok, cfg.data.template)
         untruncated = cfg.data.model_copy(update={"max_length": 10**9})
@@ -245,7 +247,7 @@ def run_checks(cfg: RunConfig) -> list[Check]:
     sample = full.select(np.arange(min(SAMPLE, len(full))), max_length=cfg.data.max_length)
     device = pick_device()
     packed = cfg.batching.strategy in ("bfd", "bfd_split", "wrapped")
-    model, backend = build_model(cfg, device, True)
+    model, backend = build_model(cfg, device, True, model_path)
     amp = autocast_dtype(cfg.training.precision, device)
     checks.append(check_isolation(model, sample, device))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

@@ -11,6 +11,9 @@ def load_tokenizer(spec: str):
     """Return a fast ``transformers`` tokenizer; any failure becomes a ``ModelError`` naming ``spec``."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from leansft.model.load import resolve_package_path
+
+    spec = resolve_package_path(spec)
     path = Path(spec)
     try:
         if path.is_file() and path.suffix == ".gguf":

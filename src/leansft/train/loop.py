@@ -26,7 +26,7 @@ from leansft.data.template import resolve_template
 from leansft.data.tokenizer import load_tokenizer
 from leansft.errors import LeanSFTError
 from leansft.model.attention import choose_backend, use_packed_attention
-from leansft.model.load import apply_lora, load_model, trainable_parameters
+from leansft.model.load import apply_lora, load_model, resolve_model_path, resolve_package_path, trainable_parameters
 from leansft.train import checkpoint as ckpt
 from leansft.train import distributed as dist
 from leansft.train.batches import Batcher, Position
@@ -89,9 +89,17 @@ class Prepared:
     report: dict = field(default_factory=dict)
 
 
-def prepare_data(cfg: RunConfig) -> Prepared:
+def model_location(cfg: RunConfig) -> str:
+    """The model folder to load (``pkg:`` and .gguf resolved; rank 0 converts a GGUF first)."""
+    from leansft.data.dataset import default_cache_dir
+
+    with dist.rank_zero_first():
+        return resolve_model_path(cfg.model, Path(cfg.data.cache_dir or default_cache_dir()))
+
+
+def prepare_data(cfg: RunConfig, model_path: str | None = None) -> Prepared:
     """Tokenise (rank 0 first, so the cache is built once), then split off the eval set."""
-    tok = load_tokenizer(cfg.tokenizer or cfg.model)
+    tok = load_tokenizer(resolve_package_path(cfg.tokenizer) if cfg.tokenizer else (model_path or cfg.model))
     template = resolve_template(tok, cfg.data.template)
     data_cfg = cfg.data
     if cfg.batching.strategy in ("bfd_split", "wrapped"):  # these cut long examples themselves
@@ -108,8 +116,8 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     return Prepared(tok, template, data, eval_data, report.as_dict())
 
 
-def build_model(cfg: RunConfig, device: torch.device, packed: bool):
-    model = load_model(cfg.model, torch.float32)
+def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: str | None = None):
+    model = load_model(model_path or cfg.model, torch.float32)
     if cfg.training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -176,7 +184,8 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.training.seed)
-    prep = prepare_data(cfg)
+    model_path = model_location(cfg)
+    prep = prepare_data(cfg, model_path)
     packed = cfg.batching.strategy in ("bfd", "bfd_split", "wrapped")
     pad_id = prep.tokenizer.pad_token_id if prep.tokenizer.pad_token_id is not None else 0
     batcher = Batcher(prep.train, cfg.batching, cfg.data.max_length, pad_id, cfg.training.seed, rank, world)
@@ -186,7 +195,7 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
         raise LeanSFTError(f"not enough data for one optimizer step ({batcher.micro_batches_per_epoch()} micro-batches "
                            f"per epoch, gradient_accumulation {accum})", field="batching.gradient_accumulation")
     total_steps = cfg.training.max_steps or max(1, math.ceil(cfg.training.epochs * steps_per_epoch))
-    model, backend = build_model(cfg, device, packed)
+    model, backend = build_model(cfg, device, packed, model_path)
     amp = autocast_dtype(cfg.training.precision, device)
     loss_module = dist.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend),
                             cfg.distributed.strategy, device, mixed_precision=amp is not None)
@@ -206,8 +215,20 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
     counters = {"tokens_seen": 0, "examples_seen": 0, "target_tokens_seen": 0}
     best: list = []
     resume_from = ckpt.find_resume(out, resume) if resume else None
+    if resume_from is None:  # every rank checks, so all stop together
+        earlier = ckpt.list_checkpoints(out / "checkpoints")
+        if earlier:
+            raise LeanSFTError(
+                f"output_dir already holds checkpoints of an earlier run (latest {earlier[-1].name})",
+                file=str(out), hint="continue it with --resume auto, or choose another output_dir (nothing was changed)",
+            )
+        dist.barrier()
+        if rank == 0:
+            for stale in ("metrics.jsonl", "samples.jsonl"):  # a fresh run starts fresh logs
+                (out / stale).unlink(missing_ok=True)
+    sharded = loss_module if (world > 1 and cfg.distributed.strategy == "fsdp") else None
     if resume_from is not None:
-        st = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler)
+        st = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, sharded)
         step, pos = st["step"], Position(**st["position"])
         counters.update({k: st[k] for k in counters})
         metrics.truncate_after(step)
@@ -296,29 +317,38 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
                     evaluator.print_record(record)
             state = {"position": pos.__dict__, **counters, "eval_loss": evaluator.last_eval_loss}
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or stop.requested:
-                _save(cfg, out, step, model, optimizer, scheduler, state, config_dict, rank, hooks)
+                _save(cfg, out, step, model, optimizer, scheduler, state, config_dict, hooks, sharded)
             if stop.requested or evaluator.should_stop:
                 log.warning("stopping at step %d (%s)", step, "signal" if stop.requested else "early stopping")
                 break
-    if rank == 0 and (not cfg.checkpoint.save_every or step % cfg.checkpoint.save_every) and not stop.requested:
+    if (not cfg.checkpoint.save_every or step % cfg.checkpoint.save_every) and not stop.requested:
         state = {"position": pos.__dict__, **counters, "eval_loss": evaluator.last_eval_loss}
-        _save(cfg, out, step, model, optimizer, scheduler, state, config_dict, rank, hooks)
-    if cfg.checkpoint.export and rank == 0 and not stop.requested:
-        from leansft.train.export import export
+        _save(cfg, out, step, model, optimizer, scheduler, state, config_dict, hooks, sharded)
+    if cfg.checkpoint.export and not stop.requested:
+        from leansft.train.export import export, full_state_dict
 
-        export(model, prep.tokenizer, prep.template, out / "final", cfg)
-        log.info("exported %s", out / "final")
+        plain = model
+        if sharded is not None:  # gather the shards (every rank), load them into an unsharded copy on rank 0
+            full = full_state_dict(loss_module)
+            if rank == 0:
+                plain, _ = build_model(cfg, torch.device("cpu"), packed, model_path)
+                plain.load_state_dict(full)
+        if rank == 0:
+            export(plain, prep.tokenizer, prep.template, out / "final", cfg)
+            log.info("exported %s", out / "final")
     dist.barrier()
     return last
 
 
-def _save(cfg, out, step, model, optimizer, scheduler, state, config_dict, rank, hooks) -> None:
-    if rank != 0:
+def _save(cfg, out, step, model, optimizer, scheduler, state, config_dict, hooks, sharded) -> None:
+    """Rank 0 writes (every rank takes part when the checkpoint is sharded), then old ones are pruned."""
+    if sharded is None and dist.rank() != 0:
         return
     if "before_save" in hooks:
         hooks["before_save"](step)
-    ckpt.save_checkpoint(out / "checkpoints", step, model, optimizer, scheduler, state, config_dict)
-    ckpt.prune(out / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
+    ckpt.save_checkpoint(out / "checkpoints", step, model, optimizer, scheduler, state, config_dict, sharded)
+    if dist.rank() == 0:
+        ckpt.prune(out / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
 
 
 def main_train(cfg: RunConfig, resume: str | None) -> int:

@@ -1,0 +1,48 @@
+"""GPU-only checks (skipped without CUDA): bf16 isolation with the backend really chosen, chunked loss
+on the device against full logits, and a few bf16 training steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_packed_isolation_bf16_on_gpu():
+    from test_packing_attention import dataset
+
+    from leansft.model.attention import choose_backend, packed_forward, use_packed_attention
+    from leansft.train.collate import collate_packed
+
+    device = torch.device("cuda")
+    model = tiny_model("qwen2").to(device)
+    use_packed_attention(model, choose_backend(device))
+    data = dataset([list(range(5, 40)), list(range(60, 90)), list(range(100, 135))])
+    z = np.zeros(2, np.int64)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        pack = packed_forward(model, collate_packed(data, np.array([0, 1]), z, data.lengths[[0, 1]]).to(device))
+        other = packed_forward(model, collate_packed(data, np.array([2, 1]), z, data.lengths[[2, 1]]).to(device))
+        alone = packed_forward(model, collate_packed(data, np.array([1]), z[:1], data.lengths[[1]]).to(device))
+    assert torch.equal(pack[0, 35:], other[0, 35:])
+    assert (pack[0, 35:].float() - alone[0].float()).abs().max() < 5e-2
+
+
+def test_chunked_loss_on_gpu_matches_full_logits():
+    from leansft.train.loss import chunked_loss, full_logits_loss
+
+    torch.manual_seed(0)
+    h = torch.randn(1, 4096, 256, device="cuda", requires_grad=True)
+    w = torch.randn(32000, 256, device="cuda", requires_grad=True)
+    y = torch.randint(0, 32000, (1, 4096), device="cuda")
+    a, _ = chunked_loss(h, w, y, 1000)
+    a.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    b, _ = full_logits_loss(h, w, y)
+    b.backward()
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(gh, h.grad, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-3, atol=1e-4)
