@@ -68,6 +68,7 @@ def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, sin
 
 def test_resume_from_a_distributed_checkpoint(tmp_path, tiny_run_assets):
     common = ["training.schedule=constant", "training.warmup_steps=0", "checkpoint.save_every=2",
+              "data.eval_split=0.1", "eval.eval_every=2", "eval.samples_every=2",
               "distributed.strategy=fsdp"]
     full = run_config(tmp_path / "a", tiny_run_assets, "training.max_steps=4", *common)
     launch(write(full, tmp_path / "a.yaml"), 2)

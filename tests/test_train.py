@@ -155,3 +155,30 @@ def test_example_configs_validate(name):
         pytest.skip(f"{name} not shipped")
     cfg = load_config(str(path))
     assert cfg.model and cfg.data.sources
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, tiny_run_assets):
+    import os
+    import signal
+
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=6")
+
+    def term(step, loss):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    train(cfg, hooks={"after_step": term})
+    run = Path(cfg.output_dir)
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-2"]
+    assert max(losses(run)) == 2 and not (run / "final").exists()
+    train(cfg, resume="auto")
+    assert max(losses(run)) == 6
+
+
+def test_checkpointing_and_offloading_give_the_same_losses(tmp_path, tiny_run_assets):
+    plain = run_config(tmp_path / "a", tiny_run_assets, "training.max_steps=3")
+    train(plain)
+    lean = run_config(tmp_path / "b", tiny_run_assets, "training.max_steps=3", "training.gradient_checkpointing=true",
+                      "training.activation_offloading=true")
+    train(lean)
+    assert losses(Path(lean.output_dir)) == pytest.approx(losses(Path(plain.output_dir)), rel=1e-5)

@@ -16,8 +16,9 @@ log = logging.getLogger("leansft")
 
 
 class EvalRunner:
-    def __init__(self, cfg, model, prep, device, amp, out: Path) -> None:
+    def __init__(self, cfg, model, prep, device, amp, out: Path, sharded=None) -> None:
         self.cfg, self.model, self.prep, self.device, self.amp, self.out = cfg, model, prep, device, amp, out
+        self.sharded = sharded  # the FSDP root: eval goes through it; samples are skipped
         self.last_eval_loss: float | None = None
         self.best: float | None = None
         self.bad_evals = 0
@@ -42,7 +43,7 @@ class EvalRunner:
     def run_eval(self) -> dict:
         return evaluate(self.model, self.prep.eval, self.cfg.data.max_length,
                         self.cfg.batching.tokens_per_micro_batch, self.cfg.training.loss_chunk_size, self.device,
-                        self.amp)
+                        self.amp, self.sharded)
 
     def maybe_eval(self, step: int, total: int, counters: dict) -> dict | None:
         every = self.cfg.eval.eval_every
@@ -65,6 +66,10 @@ class EvalRunner:
         prompts = self.prompts()
         if not prompts:
             return None
+        if self.sharded is not None:
+            if step == 0:
+                log.warning("samples are not generated under FSDP (sharded weights); export and use leansft generate")
+            return None
         e = self.cfg.eval
         answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
                            max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
@@ -86,6 +91,7 @@ class EvalRunner:
             if r.get("mfu") is not None:
                 parts.append(f"mfu {r['mfu']:.1%}")
         if "eval_loss" in r:
-            parts += [f"eval_loss {r['eval_loss']:.4f}", f"ppl {r['eval_perplexity']:.2f}",
-                      f"acc {r['eval_token_accuracy']:.1%}"]
+            parts += [f"eval_loss {r['eval_loss']:.4f}", f"ppl {r['eval_perplexity']:.2f}"]
+            if r.get("eval_token_accuracy") is not None:
+                parts.append(f"acc {r['eval_token_accuracy']:.1%}")
         self.console.print("  ".join(parts))

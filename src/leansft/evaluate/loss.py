@@ -34,8 +34,12 @@ def eval_stats(hidden, weight, labels, chunk_size: int, softcap: float | None = 
 
 @torch.no_grad()
 def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_batch: int, chunk_size: int = 1024,
-             device: torch.device | None = None, autocast_dtype: torch.dtype | None = None) -> dict:
-    """Token-weighted mean loss over all target tokens of ``data`` (packed, varlen attention)."""
+             device: torch.device | None = None, autocast_dtype: torch.dtype | None = None,
+             sharded_module=None) -> dict:
+    """Token-weighted mean loss over all target tokens of ``data`` (packed, varlen attention).
+
+    ``sharded_module``: the FSDP-wrapped loss module; its forward gathers the shards, so the loss goes
+    through it (every rank takes part) and token accuracy is not computed."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
@@ -47,11 +51,16 @@ def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_ba
         for rows in micro_batches(plan, max(tokens_per_micro_batch, max_length)):
             batch = collate_rows(data, plan, rows).to(device)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                hidden = hidden_states(model, batch)
-            l, k, c = eval_stats(hidden, weight, batch.labels, chunk_size, softcap)
+                if sharded_module is not None:
+                    l, k, c = float(sharded_module(batch)), batch.target_tokens, 0
+                else:
+                    hidden = hidden_states(model, batch)
+            if sharded_module is None:
+                l, k, c = eval_stats(hidden, weight, batch.labels, chunk_size, softcap)
             loss, n, correct = loss + l, n + k, correct + c
     finally:
         model.train(was_training)
     mean = loss / max(n, 1)
-    return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50)), "eval_token_accuracy": correct / max(n, 1),
+    accuracy = None if sharded_module is not None else correct / max(n, 1)
+    return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50)), "eval_token_accuracy": accuracy,
             "eval_targets": n}

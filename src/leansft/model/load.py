@@ -35,14 +35,19 @@ def load_config(spec: str):
 
 def gguf_to_hf(gguf: Path, cache_dir: Path) -> Path:
     """Convert a .gguf model once into a Hugging Face folder under ``cache_dir``; return the folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
     log.info("converting %s to a Hugging Face folder (once): %s", gguf, out)
+    with torch.random.fork_rng():  # building the model draws random init; keep the caller's RNG untouched
+        return _convert_gguf(gguf, out)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -189,14 +189,14 @@ def wrapped(lengths, max_length: int, seed: int = 0) -> PackPlan:
 
 
 def _batches(strategy, order: np.ndarray, lengths: np.ndarray, batch_size: int, max_length: int) -> PackPlan:
+    """Consecutive examples of ``order`` in batches of ``batch_size``, each example cut at ``max_length``."""
     n = len(order)
-    row_of = np.arange(n) // batch_size
     n_rows = -(-n // batch_size)
-    clipped = np.minimum(lengths[order], max_length)
     return PackPlan(
         strategy, max_length, np.minimum(np.arange(n_rows + 1) * batch_size, n), order,
-        np.zeros(n, dtype=np.int64), clipped, truncated=int((lengths > max_length).sum()),
-    ) if n else PackPlan(strategy, max_length, np.zeros(1, np.int64), order, order, order)
+        np.zeros(n, dtype=np.int64), np.minimum(lengths[order], max_length),
+        truncated=int((lengths > max_length).sum()),
+    )
 
 
 def padded(lengths, max_length: int, batch_size: int, seed: int = 0) -> PackPlan:

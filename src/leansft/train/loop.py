@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import random
@@ -195,6 +196,7 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
         raise LeanSFTError(f"not enough data for one optimizer step ({batcher.micro_batches_per_epoch()} micro-batches "
                            f"per epoch, gradient_accumulation {accum})", field="batching.gradient_accumulation")
     total_steps = cfg.training.max_steps or max(1, math.ceil(cfg.training.epochs * steps_per_epoch))
+    seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
     model, backend = build_model(cfg, device, packed, model_path)
     amp = autocast_dtype(cfg.training.precision, device)
     loss_module = dist.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend),
@@ -209,11 +211,10 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
     config_dict = cfg.model_dump(mode="json")
     if rank == 0:
         (out / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
-        (out / "data_report.json").write_text(__import__("json").dumps(prep.report, indent=1))
+        (out / "data_report.json").write_text(json.dumps(prep.report, indent=1))
 
     step, pos = 0, Position()
     counters = {"tokens_seen": 0, "examples_seen": 0, "target_tokens_seen": 0}
-    best: list = []
     resume_from = ckpt.find_resume(out, resume) if resume else None
     if resume_from is None:  # every rank checks, so all stop together
         earlier = ckpt.list_checkpoints(out / "checkpoints")
@@ -240,7 +241,7 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
 
     from leansft.evaluate.hooks import EvalRunner
 
-    evaluator = EvalRunner(cfg, model, prep, device, amp, out)
+    evaluator = EvalRunner(cfg, model, prep, device, amp, out, sharded)
     offload = (torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
                if cfg.training.activation_offloading else contextlib.nullcontext())
     last: dict = {}
@@ -256,8 +257,11 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
     window_t0, window = time.perf_counter(), {"real": 0, "target": 0, "slots": 0, "flops": 0.0}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with StopFlag() as stop:
+    progress = _progress(total_steps, step) if rank == 0 else None
+    with StopFlag() as stop, (progress or contextlib.nullcontext()):
+        task = progress.add_task("train", total=total_steps, completed=step, info="") if progress else None
         while step < total_steps:
+            step_t0 = time.perf_counter()
             batches, next_pos = next(steps)
             local_targets = sum(b.target_tokens for b in batches)
             step_targets = dist.all_reduce_sum(local_targets, device)
@@ -290,6 +294,9 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
             step += 1
             pos = next_pos
             counters["target_tokens_seen"] += step_targets
+            if progress is not None:
+                rate = sum(b.real_tokens for b in batches) * world / max(time.perf_counter() - step_t0, 1e-9)
+                progress.update(task, completed=step, info=f"loss {step_loss:.4f}  lr {lr:.2e}  {rate:,.0f} tok/s")
             if "after_step" in hooks:
                 hooks["after_step"](step, step_loss)
             record = None
@@ -338,6 +345,18 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
             log.info("exported %s", out / "final")
     dist.barrier()
     return last
+
+
+def _progress(total: int, done: int):
+    """A live progress bar (step, loss, lr, tokens/s) on a terminal; plain log lines elsewhere."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = Console()
+    if not console.is_terminal:
+        return None
+    return Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+                    TimeRemainingColumn(), console=console, transient=True)
 
 
 def _save(cfg, out, step, model, optimizer, scheduler, state, config_dict, hooks, sharded) -> None:
