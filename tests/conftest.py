@@ -146,6 +146,9 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
         "qwen2": lambda: tf.Qwen2Config(**TINY, tie_word_embeddings=True),
         "mistral": lambda: tf.MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
         "gemma": lambda: tf.GemmaConfig(**TINY, head_dim=16, tie_word_embeddings=True),
+        "gemma2": lambda: tf.Gemma2Config(**TINY, head_dim=16, sliding_window=8, attn_logit_softcapping=50.0,
+                                          final_logit_softcapping=30.0),
+        "qwen3": lambda: tf.Qwen3Config(**TINY, head_dim=16),
     }
     cfg = cfgs[arch]()
     for k, v in overrides.items():
@@ -155,7 +158,7 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
-ARCHS = ("llama", "qwen2", "mistral", "gemma")
+ARCHS = ("llama", "qwen2", "mistral", "gemma", "gemma2", "qwen3")
 
 
 ALPACA = str(Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json")

@@ -130,3 +130,17 @@ def test_plain_text_trains_on_every_token_and_ends_with_eos(load_tok, qwen25_pat
     enc = ChatEncoder(tok, resolve_template(tok, None))
     (ids, labels), = enc.encode([Conversation(text="Just some text.")])
     assert np.array_equal(ids, labels) and ids[-1] == tok.eos_token_id
+
+
+def test_template_that_closes_the_conversation_with_eos(load_tok, tiny_bpe_path):
+    """Phi-3 style: a finished conversation gets a trailing eos that a longer one does not have there."""
+    from leansft.data.templates import CHATML
+
+    tok = load_tok(tiny_bpe_path)
+    phi_like = CHATML + "{% if not add_generation_prompt %}{{ '<|endoftext|>' }}{% endif %}"
+    ids, labels = encode(tok, phi_like, CHAT[1:])
+    got = [tok.decode(ids[a:b]) for a, b in spans(labels)]
+    assert got[0] == "Paris is the capital.<|im_end|>"  # not the next turn's <|im_start|>
+    assert got[1].startswith("Two plus two equals four.<|im_end|>") and got[1].endswith("<|endoftext|>")
+    for a, b in spans(labels):
+        assert tok.convert_tokens_to_ids("<|im_start|>") not in ids[a:b].tolist()

@@ -14,6 +14,7 @@ token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``...) but not the newline a templa
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +56,13 @@ def resolve_template(tokenizer, template: str | None) -> ChatTemplate:
         return ChatTemplate("tokenizer", own)
     if template in BUILTIN_TEMPLATES:
         return ChatTemplate(template, BUILTIN_TEMPLATES[template])
+    if "{{" in template or "{%" in template:
+        return ChatTemplate("inline", template)
     path = Path(template)
     if path.suffix in (".jinja", ".j2", ".txt") or path.is_file():
         if not path.is_file():
             raise TemplateError("template file not found", file=template, field="template")
         return ChatTemplate(str(path), path.read_text(encoding="utf-8"))
-    if "{{" in template or "{%" in template:
-        return ChatTemplate("inline", template)
     raise TemplateError(
         f"unknown template '{template}'",
         field="template",
@@ -136,7 +137,18 @@ class ChatEncoder:
         spans: list[list[tuple[int, int, int]]] = [[] for _ in chats]
         for (ci, ai), b, t in zip(jobs, before, through):
             turn = sum(1 for m in chats[ci][: ai + 1] if m["role"] == "assistant")
-            if not t.startswith(b) or not full[ci].startswith(t):
+            end = len(t)
+            if t.startswith(b) and not full[ci].startswith(t):
+                # Templates that close the conversation differently (Phi-3 appends eos, gpt-oss ends the last
+                # turn with <|return|> instead of <|end|>) agree with the full rendering up to past the content:
+                # the turn's span ends where the two renderings part. Text changed before the content end
+                # (an earlier turn rewritten) is still refused.
+                content = str(chats[ci][ai].get("content") or "").strip()
+                p = t.find(content, len(b)) if content else -1
+                shared = len(os.path.commonprefix([t, full[ci]]))
+                if p >= 0 and shared >= p + len(content):
+                    end = shared
+            if not t.startswith(b) or not full[ci].startswith(t[:end]):
                 which = "the generation prompt does not match the assistant turn" if not t.startswith(b) else (
                     "rendering later turns changes this turn's text (the template rewrites earlier turns)"
                 )
@@ -148,7 +160,7 @@ class ChatEncoder:
                     hint="pass a training template (template: path/to/train.jinja, e.g. one with {% generation %} "
                     "markers) that renders every turn the same way whatever follows",
                 )
-            spans[ci].append((len(b), len(t), ai))
+            spans[ci].append((len(b), end, ai))
         return full, spans
 
     # -- token spans -----------------------------------------------------------------------------
@@ -168,14 +180,17 @@ class ChatEncoder:
         return p if p > c0 else c0
 
     def _labels(
-        self, ids: np.ndarray, starts: np.ndarray, text: str, chat: list[dict], spans: list[tuple[int, int, int]]
+        self, ids: np.ndarray, offsets: np.ndarray, text: str, chat: list[dict], spans: list[tuple[int, int, int]]
     ) -> np.ndarray:
+        """Tokens starting at or after a span's start and ending by its end carry loss (a token that
+        straddles the end belongs to what follows, e.g. the next turn's header)."""
+        starts, ends = offsets[:, 0], np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
         labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
         if self.loss_on == "last_assistant":
             spans = spans[-1:]
         for c0, c1, ai in spans:
             c0 = self._content_start(text, c0, c1, chat[ai] if ai >= 0 else None)
-            lo, hi = int(np.searchsorted(starts, c0, "left")), int(np.searchsorted(starts, c1, "left"))
+            lo, hi = int(np.searchsorted(starts, c0, "left")), int(np.searchsorted(ends, c1, "right"))
             while lo < hi and self._is_blank(int(ids[lo])):
                 lo += 1
             while hi > lo and self._is_blank(int(ids[hi - 1])):
@@ -210,5 +225,5 @@ class ChatEncoder:
                     out[i] = (ids, ids.copy())
                     continue
                 offsets = np.asarray(enc["offset_mapping"][k], dtype=np.int64).reshape(-1, 2)
-                out[i] = (ids, self._labels(ids, offsets[:, 0], texts[k], chats[k], spans[k]))
+                out[i] = (ids, self._labels(ids, offsets, texts[k], chats[k], spans[k]))
         return out  # type: ignore[return-value]
