@@ -80,6 +80,13 @@ class ChatEncoder:
         self.template = template
         self.loss_on = loss_on
         self._blank: dict[int, bool] = {}
+        # The Rust tokenizer itself, without any truncation/padding a tokenizer.json may carry: what
+        # tokenizer(text, add_special_tokens=False) runs, minus the Python-side conversion of its output.
+        from tokenizers import Tokenizer
+
+        self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        self._backend.no_truncation()
+        self._backend.no_padding()
         self._special = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special
         }
@@ -133,7 +140,13 @@ class ChatEncoder:
         jobs = [(ci, ai) for ci, chat in enumerate(chats) for ai, m in enumerate(chat) if m["role"] == "assistant"]
         job_rows = [rows[ci] for ci, _ in jobs]
         before = self._render([chats[ci][:ai] for ci, ai in jobs], True, job_rows)
-        through = self._render([chats[ci][: ai + 1] for ci, ai in jobs], False, job_rows)
+        # the last message's turn renders as the whole conversation: reuse it instead of rendering again
+        inner = [k for k, (ci, ai) in enumerate(jobs) if ai + 1 < len(chats[ci])]
+        inner_text = self._render([chats[jobs[k][0]][: jobs[k][1] + 1] for k in inner], False,
+                                  [job_rows[k] for k in inner])
+        through = [full[ci] for ci, _ in jobs]
+        for k, text in zip(inner, inner_text):
+            through[k] = text
         spans: list[list[tuple[int, int, int]]] = [[] for _ in chats]
         for (ci, ai), b, t in zip(jobs, before, through):
             turn = sum(1 for m in chats[ci][: ai + 1] if m["role"] == "assistant")
@@ -218,12 +231,11 @@ class ChatEncoder:
                 texts, spans = self._marker_spans(chats, rows)
             else:
                 texts, spans = self._diff_spans(chats, rows)
-            enc = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True)
-            for k, i in enumerate(chat_idx):
-                ids = np.asarray(enc["input_ids"][k], dtype=np.int32)
+            for k, (i, e) in enumerate(zip(chat_idx, self._backend.encode_batch(texts, add_special_tokens=False))):
+                ids = np.fromiter(e.ids, dtype=np.int32, count=len(e.ids))
                 if self.loss_on == "all":
                     out[i] = (ids, ids.copy())
                     continue
-                offsets = np.asarray(enc["offset_mapping"][k], dtype=np.int64).reshape(-1, 2)
+                offsets = np.array(e.offsets, dtype=np.int64).reshape(-1, 2)
                 out[i] = (ids, self._labels(ids, offsets, texts[k], chats[k], spans[k]))
         return out  # type: ignore[return-value]
