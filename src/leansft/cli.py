@@ -85,7 +85,7 @@ def cmd_plan(args) -> int:
     lengths = data.lengths
     max_length = args.max_length
     if max_length is not None:
-        longest_prompt = _longest_prompt(data)
+        longest_prompt = int(data.prompt_lengths.max())
         if max_length <= longest_prompt:
             raise LeanSFTError(
                 f"--max-length {max_length} is not longer than the longest prompt ({longest_prompt} tokens): "
@@ -103,22 +103,6 @@ def cmd_plan(args) -> int:
         Path(args.json).write_text(json.dumps(summary, indent=2))
         print(f"wrote {args.json}")
     return 0
-
-
-def _longest_prompt(data) -> int:
-    import numpy as np
-
-    from leansft.data.template import IGNORE_INDEX
-
-    has = data.labels != IGNORE_INDEX
-    first = np.full(len(data), -1)
-    idx = np.flatnonzero(has)
-    ex = np.searchsorted(data.offsets, idx, side="right") - 1
-    first_target = np.full(len(data), np.iinfo(np.int64).max)
-    np.minimum.at(first_target, ex, idx)
-    ok = first_target < np.iinfo(np.int64).max
-    first[ok] = first_target[ok] - data.offsets[:-1][ok]
-    return int(first.max()) if len(first) else 0
 
 
 def _memory(args, tokens: int) -> dict:

@@ -63,6 +63,16 @@ class TokenizedDataset:
         csum = np.concatenate([[0], np.cumsum(mask)])
         return csum[self.offsets[1:]] - csum[self.offsets[:-1]]
 
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        """Tokens before each example's first loss token (the whole example when none carries loss)."""
+        targets = np.flatnonzero(self.labels != IGNORE_INDEX)
+        owner = np.searchsorted(self.offsets, targets, side="right") - 1
+        examples, first = np.unique(owner, return_index=True)
+        out = self.lengths.copy()
+        out[examples] = targets[first] - self.offsets[examples]
+        return out
+
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         a, b = self.offsets[i], self.offsets[i + 1]
         return self.input_ids[a:b], self.labels[a:b]
@@ -87,7 +97,9 @@ class TokenizedDataset:
         for p in parts:
             offs.append(p.offsets[1:] + base)
             base += int(p.offsets[-1])
-        cat = lambda name, dt: np.concatenate([getattr(p, name) for p in parts]).astype(dt) if parts else np.zeros(0, dt)  # noqa: E731
+        def cat(name: str, dtype) -> np.ndarray:
+            return np.concatenate([getattr(p, name) for p in parts]).astype(dtype) if parts else np.zeros(0, dtype)
+
         return TokenizedDataset(
             cat("input_ids", np.int32), cat("labels", np.int32), np.concatenate(offs),
             cat("rows", np.int64), cat("source", np.int32), cat("hashes", np.int64),

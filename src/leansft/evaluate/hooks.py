@@ -31,14 +31,10 @@ class EvalRunner:
             return list(e.prompts)
         if self.prep.eval is None or e.num_samples == 0:
             return []
-        from leansft.data.template import IGNORE_INDEX
-
-        out = []
-        for i in range(min(e.num_samples, len(self.prep.eval))):
-            ids, labels = self.prep.eval.example(i)
-            first = next((k for k, lab in enumerate(labels) if lab != IGNORE_INDEX), len(ids))
-            out.append(ids[:first].tolist())  # rendered prompt, ending in the generation prompt
-        return out
+        n = min(e.num_samples, len(self.prep.eval))
+        prompt_lengths = self.prep.eval.prompt_lengths
+        # rendered prompts, each ending in the generation prompt
+        return [self.prep.eval.example(i)[0][: prompt_lengths[i]].tolist() for i in range(n)]
 
     def run_eval(self) -> dict:
         return evaluate(self.model, self.prep.eval, self.cfg.data.max_length,

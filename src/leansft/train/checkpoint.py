@@ -37,14 +37,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
-    sd = model.state_dict()
-    out = {}
-    for name, p in model.named_parameters():
-        if name in names:
-            key = name if name in sd else next((k for k in sd if k.endswith(name)), name)
-            out[key] = p.detach().contiguous().cpu().clone()
-    return out
+    """The parameters that train (all of them, or the LoRA adapters), by parameter name."""
+    return {n: p.detach().contiguous().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _optimizer_tensors(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -198,11 +192,11 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, sharded_root=None) 
 
 def _load_weights(model, weights: dict[str, torch.Tensor], path: Path) -> None:
     params = dict(model.named_parameters())
+    unknown = sorted(set(weights) - set(params))
+    if unknown:
+        raise LeanSFTError(f"checkpoint weights do not match the model (e.g. '{unknown[0]}')", file=str(path))
     with torch.no_grad():
-        for key, value in weights.items():
-            name = key if key in params else next((n for n in params if key.endswith(n) or n.endswith(key)), None)
-            if name is None:
-                raise LeanSFTError(f"checkpoint weight '{key}' does not match the model", file=str(path))
+        for name, value in weights.items():
             params[name].copy_(value)
 
 
