@@ -10,7 +10,7 @@ from conftest import ARCHS, tiny_model
 from leansft.data.dataset import TokenizedDataset
 from leansft.data.template import IGNORE_INDEX
 from leansft.errors import ModelError
-from leansft.model.attention import VARLEN, packed_forward, sdpa_varlen_attention, use_packed_attention
+from leansft.model.attention import FLEX, VARLEN, packed_forward, sdpa_varlen_attention, use_packed_attention
 from leansft.plan.pack import bfd
 from leansft.train.collate import collate_padded, collate_packed, collate_rows, micro_batches
 from leansft.train.loss import chunked_loss
@@ -38,9 +38,10 @@ def logits_of(model, hidden):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_example_equals_alone_and_sees_nothing_else(arch):
+@pytest.mark.parametrize("backend", [VARLEN, FLEX])
+def test_packed_example_equals_alone_and_sees_nothing_else(arch, backend):
     model = tiny_model(arch)
-    use_packed_attention(model, VARLEN)
+    use_packed_attention(model, backend)
     g = torch.Generator().manual_seed(1)
     a, b = torch.randint(0, 512, (11,), generator=g).tolist(), torch.randint(0, 512, (9,), generator=g).tolist()
     a2 = torch.randint(0, 512, (11,), generator=g).tolist()

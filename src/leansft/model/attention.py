@@ -6,7 +6,9 @@ example must attend only to itself: no cross-example pairs computed, no L x L ma
 Backends:
 - ``flash_attention_2`` (transformers' own, flash-attn's varlen kernel) when flash-attn imports and the
   device is CUDA; it reads the same ``cu_seq_lens_*`` kwargs;
-- ``leansft_sdpa_varlen``: PyTorch SDPA run per example segment (causal inside the segment).
+- ``leansft_sdpa_varlen``: PyTorch SDPA run per example segment (causal inside the segment);
+- ``leansft_flex`` (``attention: flex``): flex_attention with a block-diagonal causal mask, one
+  compiled kernel for the whole sequence on CUDA (eager, slow but exact, on the CPU).
 No mask function is registered for ``leansft_sdpa_varlen``, so transformers builds no mask at all.
 The varlen function refuses to run without segment boundaries rather than silently mixing examples.
 """
@@ -23,7 +25,8 @@ from leansft.errors import ModelError
 
 log = logging.getLogger("leansft")
 VARLEN = "leansft_sdpa_varlen"
-PACKED_SAFE = {VARLEN, "flash_attention_2", "flash_attention_3"}
+FLEX = "leansft_flex"
+PACKED_SAFE = {VARLEN, FLEX, "flash_attention_2", "flash_attention_3"}
 
 
 def _segment_attention(q, k, v, scaling, dropout, softcap, window) -> torch.Tensor:
@@ -71,10 +74,60 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=Non
     return out.transpose(1, 2).contiguous(), None
 
 
+_FLEX_CACHE: dict = {}
+
+
+def _flex_kernel(device: torch.device):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention  # eager reference implementation: correct, not fast
+    if "kernel" not in _FLEX_CACHE:
+        _FLEX_CACHE["kernel"] = torch.compile(flex_attention, dynamic=True)
+    return _FLEX_CACHE["kernel"]
+
+
+def _block_mask(cu: torch.Tensor, total: int, window: int | None, device: torch.device):
+    """Block-diagonal causal mask from the boundaries, built once per micro-batch (all layers share it)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (tuple(cu.tolist()), window, str(device))
+    if _FLEX_CACHE.get("mask_key") != key:
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), torch.diff(cu).to(device))
+
+        def mask_mod(b, h, q, k):
+            keep = (doc[q] == doc[k]) & (q >= k)
+            return keep & (q - k < window) if window is not None else keep
+
+        _FLEX_CACHE["mask_key"] = key
+        _FLEX_CACHE["mask"] = create_block_mask(mask_mod, 1, 1, total, total, device=device,
+                                                BLOCK_SIZE=128 if device.type == "cuda" else 16)
+    return _FLEX_CACHE["mask"]
+
+
+def flex_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """flex_attention with a block-diagonal causal mask: one kernel for the whole packed sequence."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        raise ModelError("packed attention called without cu_seq_lens: the examples would attend to each other")
+    if dropout and module.training:
+        raise ModelError("attention 'flex' does not support attention dropout; use sdpa_varlen")
+    softcap = kwargs.get("softcap")
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, q, k):
+            return softcap * torch.tanh(score / softcap)
+    mask = _block_mask(cu, query.shape[2], kwargs.get("sliding_window"), query.device)
+    out = _flex_kernel(query.device)(query, key, value, block_mask=mask, score_mod=score_mod, scale=scaling,
+                                     enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
 def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN, sdpa_varlen_attention)
+    AttentionInterface.register(FLEX, flex_varlen_attention)
 
 
 def choose_backend(device: torch.device, requested: str = "auto") -> str:
@@ -85,8 +138,9 @@ def choose_backend(device: torch.device, requested: str = "auto") -> str:
         raise ModelError("attention 'flash' needs the flash-attn package and a CUDA device",
                          field="training.attention", hint="pip install flash-attn, or use attention: auto")
     if requested == "flex":
-        raise ModelError("attention 'flex' is not available in this version; use auto or sdpa_varlen",
-                         field="training.attention")
+        return FLEX
+    if requested == "sdpa_varlen":
+        return VARLEN
     if requested == "flash" or (requested == "auto" and has_flash and device.type == "cuda"):
         return "flash_attention_2"
     return VARLEN
