@@ -49,7 +49,7 @@ def test_messages_and_prompt_completion_and_text():
         ({"conversations": "hi"}, "sharegpt", "conversations", "expected list"),
         ({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant"}]}, "messages",
          "messages[1].content", "missing"),
-        ({"messages": [{"role": "user", "content": ["x"]}]}, "messages", "messages[0].content", "expected str"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages", "messages[0].content", "expected str"),
         ({"messages": [{"content": "x"}]}, "messages", "messages[0].role", "missing"),
         ({"messages": []}, "messages", "messages", "empty"),
         ({"prompt": "Q"}, "prompt_completion", "completion", "missing"),
@@ -112,3 +112,15 @@ def test_loader_errors(tmp_path):
         list(read_rows(str(tmp_path / "x.txt")))
     with pytest.raises(DataError, match="Hub"):
         list(read_rows("someone/no-such-dataset"))
+
+
+def test_openai_content_parts_and_role_aliases():
+    row = {"messages": [{"role": "developer", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+                        {"role": "assistant", "content": "Hello"}]}
+    assert conv(row, "messages") == [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"}]
+    bad = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    with pytest.raises(DataError) as err:
+        convert_row(bad, "messages", F, 4)
+    assert err.value.field == "messages[0].content[0]" and "image_url" in str(err.value)

@@ -13,6 +13,8 @@ from typing import Any
 from leansft.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+                 "tool": "tool", "function": "tool", "ipython": "tool"}
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -69,7 +71,23 @@ class _Row:
         return value
 
 
+def _text_of_parts(r: _Row, where: str, parts: list) -> str:
+    """OpenAI-style content parts ``[{"type": "text", "text": ...}]`` joined; other parts are refused."""
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise r.error(f"{where}[{j}]", f"unsupported content part {kind!r} (text only)")
+    return "".join(texts)
+
+
 def _check_content(r: _Row, where: str, role: str, content: Any) -> str:
+    if isinstance(content, list):
+        content = _text_of_parts(r, where, content)
     if not isinstance(content, str):
         raise r.error(where, f"expected str, got {type(content).__name__}")
     if not content.strip() and role in ("user", "assistant"):
@@ -138,13 +156,13 @@ def from_sharegpt(r: _Row) -> Conversation:
 def from_messages(r: _Row) -> Conversation:
     key = "messages" if "messages" in r.row else "conversations"
     items = r.get(key, types=(list,))
-    return Conversation(messages=_message_list(r, key, items, "role", "content", {x: x for x in ROLES}))
+    return Conversation(messages=_message_list(r, key, items, "role", "content", MESSAGE_ROLES))
 
 
 def from_prompt_completion(r: _Row) -> Conversation:
     prompt = r.get("prompt", types=(str, list))
     completion = r.get("completion", types=(str, list))
-    roles = {x: x for x in ROLES}
+    roles = MESSAGE_ROLES
     if isinstance(prompt, str):
         _check_content(r, "prompt", "user", prompt)
         messages = [{"role": "user", "content": prompt}]
