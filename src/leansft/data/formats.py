@@ -12,7 +12,6 @@ from typing import Any
 
 from leansft.errors import DataError
 
-ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
                  "tool": "tool", "function": "tool", "ipython": "tool"}
 SHAREGPT_ROLES = {
