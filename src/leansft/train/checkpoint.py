@@ -24,6 +24,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from leansft.errors import LeanSFTError
+from leansft.train import distributed as dist
 
 PREFIX = "step-"
 
@@ -86,27 +87,6 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
-def _is_dist() -> bool:
-    import torch.distributed as tdist
-
-    return tdist.is_available() and tdist.is_initialized()
-
-
-def _barrier() -> None:
-    if _is_dist():
-        import torch.distributed as tdist
-
-        tdist.barrier()
-
-
-def _rank() -> int:
-    if _is_dist():
-        import torch.distributed as tdist
-
-        return tdist.get_rank()
-    return 0
-
-
 def save_checkpoint(folder: Path, step: int, model, optimizer, scheduler, state: dict, config: dict,
                     sharded_root=None) -> Path:
     """Write checkpoint ``step`` under ``folder`` atomically; return its path.
@@ -117,13 +97,13 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, scheduler, state:
     """
     final = folder / f"{PREFIX}{step}"
     tmp = folder / f".tmp-{PREFIX}{step}"
-    rank = _rank()
+    rank = dist.rank()
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     if sharded_root is not None:
-        _barrier()
+        dist.barrier()
     try:
         if sharded_root is not None:
             import torch.distributed.checkpoint as dcp
@@ -131,7 +111,7 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, scheduler, state:
 
             model_sd, optim_sd = get_state_dict(sharded_root, optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-            _barrier()
+            dist.barrier()
         if rank == 0:
             opt_meta = None
             if sharded_root is None:
@@ -158,7 +138,7 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, scheduler, state:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if sharded_root is not None:
-        _barrier()
+        dist.barrier()
     return final
 
 

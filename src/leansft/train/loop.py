@@ -12,7 +12,6 @@ import logging
 import math
 import random
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,6 +376,3 @@ def main_train(cfg: RunConfig, resume: str | None) -> int:
         dist.shutdown()
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from leansft.errors import ModelError
 from leansft.model.attention import packed_forward
 from leansft.train.collate import PackedBatch, PaddedBatch
 from leansft.train.loss import chunked_loss, liger_loss, output_softcap
@@ -14,7 +15,7 @@ def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
         return packed_forward(model, batch)
     impl = model.config._attn_implementation
     if impl.startswith("leansft"):
-        raise RuntimeError("padded batches need a padding-aware attention implementation (sdpa)")
+        raise ModelError("padded batches need a padding-aware attention implementation (sdpa), not " + impl)
     out = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                               position_ids=batch.position_ids, use_cache=False)
     return out.last_hidden_state
