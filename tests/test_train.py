@@ -182,3 +182,12 @@ def test_checkpointing_and_offloading_give_the_same_losses(tmp_path, tiny_run_as
                       "training.activation_offloading=true")
     train(lean)
     assert losses(Path(lean.output_dir)) == pytest.approx(losses(Path(plain.output_dir)), rel=1e-5)
+
+
+def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, tiny_run_assets):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard installed")
+    with pytest.raises(ConfigError, match="pip install tensorboard"):
+        train(run_config(tmp_path, tiny_run_assets, "logging.tensorboard=true"))
