@@ -20,7 +20,7 @@ from leansft.model.attention import choose_backend, use_packed_attention
 from leansft.plan.pack import bfd, padded
 from leansft.plan.stats import lognormal_lengths
 from leansft.train.collate import collate_padded, collate_rows, micro_batches
-from leansft.train.metrics import device_peak_flops, step_flops
+from leansft.train.metrics import attended_squares, device_peak_flops, step_flops
 from leansft.train.step import LossModule
 
 
@@ -51,11 +51,7 @@ def run(model, batches, steps, device, n_params, peak) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens += b.real_tokens
-        if hasattr(b, "cu_seqlens"):
-            sq = float((torch.diff(b.cu_seqlens.cpu()).double() ** 2).sum())
-        else:
-            sq = float(b.input_ids.shape[0] * b.input_ids.shape[1] ** 2)
-        flops += step_flops(n_params, cfg.num_hidden_layers, cfg.hidden_size, b.real_tokens, sq)
+        flops += step_flops(n_params, cfg.num_hidden_layers, cfg.hidden_size, b.real_tokens, attended_squares(b))
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return {"tok_s": tokens / dt, "peak_gb": torch.cuda.max_memory_allocated() / 1e9,

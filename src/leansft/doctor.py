@@ -175,7 +175,7 @@ def check_normalisation(model, data, device) -> Check:
 def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> list[Check]:
     from leansft.memtrack import TensorMemoryTracker
     from leansft.plan.memory import ModelShape, estimate_memory
-    from leansft.train.metrics import device_peak_flops, step_flops
+    from leansft.train.metrics import attended_squares, device_peak_flops, step_flops
     from leansft.train.step import LossModule
 
     module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend)
@@ -208,9 +208,8 @@ def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> 
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
             module(b).backward()
         tokens += b.real_tokens
-        cu = getattr(b, "cu_seqlens", None)
-        sq = float((torch.diff(cu).double() ** 2).sum()) if cu is not None else float(b.input_ids.numel() * b.input_ids.shape[1])
-        flops += step_flops(n_params, model.config.num_hidden_layers, model.config.hidden_size, b.real_tokens, sq)
+        flops += step_flops(n_params, model.config.num_hidden_layers, model.config.hidden_size, b.real_tokens,
+                            attended_squares(b))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     dt = time.perf_counter() - t0

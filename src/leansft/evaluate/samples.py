@@ -27,22 +27,17 @@ def stop_token_ids(tokenizer, template: ChatTemplate) -> list[int]:
 @contextlib.contextmanager
 def generation_mode(model):
     """Eval mode and a cache-capable attention for generation; training state restored afterwards."""
+    from leansft.model.attention import set_attention
+
     was_training = model.training
     impl = model.config._attn_implementation
     model.eval()
     if impl.startswith("leansft"):
-        model.config._attn_implementation = "sdpa"
-        for sub in model.modules():
-            cfg = getattr(sub, "config", None)
-            if cfg is not None and hasattr(cfg, "_attn_implementation"):
-                cfg._attn_implementation = "sdpa"
+        set_attention(model, "sdpa")
     try:
         yield
     finally:
-        if impl.startswith("leansft"):
-            from leansft.model.attention import use_packed_attention
-
-            use_packed_attention(model, impl)
+        set_attention(model, impl)
         model.train(was_training)
 
 

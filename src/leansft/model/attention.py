@@ -146,14 +146,19 @@ def choose_backend(device: torch.device, requested: str = "auto") -> str:
     return VARLEN
 
 
-def use_packed_attention(model, backend: str) -> None:
-    """Point every attention module of ``model`` at ``backend`` and log what is really used."""
-    register()
-    model.config._attn_implementation = backend
+def set_attention(model, impl: str) -> None:
+    """Point every attention module of ``model`` (sub-configs included) at implementation ``impl``."""
+    model.config._attn_implementation = impl
     for sub in model.modules():
         cfg = getattr(sub, "config", None)
         if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = backend
+            cfg._attn_implementation = impl
+
+
+def use_packed_attention(model, backend: str) -> None:
+    """Register leansft's backends, point ``model`` at ``backend`` and log what is really used."""
+    register()
+    set_attention(model, backend)
     log.info("packed attention backend: %s", backend)
 
 

@@ -18,8 +18,17 @@ from leansft.data.template import IGNORE_INDEX
 from leansft.plan.pack import PackPlan
 
 
+class _Targets:
+    labels: torch.Tensor
+
+    @property
+    def target_tokens(self) -> int:
+        """Tokens that carry loss after the shift (a row's first token never does)."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
 @dataclass
-class PackedBatch:
+class PackedBatch(_Targets):
     input_ids: torch.Tensor  # [1, T]
     labels: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
@@ -31,17 +40,13 @@ class PackedBatch:
     def real_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    @property
-    def target_tokens(self) -> int:
-        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
-
     def to(self, device) -> PackedBatch:
         return PackedBatch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
                            self.cu_seqlens.to(device), self.max_seqlen, self.examples)
 
 
 @dataclass
-class PaddedBatch:
+class PaddedBatch(_Targets):
     input_ids: torch.Tensor  # [B, L]
     labels: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]
@@ -51,10 +56,6 @@ class PaddedBatch:
     @property
     def real_tokens(self) -> int:
         return int(self.attention_mask.sum())
-
-    @property
-    def target_tokens(self) -> int:
-        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
     def to(self, device) -> PaddedBatch:
         return PaddedBatch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device),

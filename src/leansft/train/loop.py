@@ -30,9 +30,8 @@ from leansft.model.load import apply_lora, load_model, resolve_model_path, resol
 from leansft.train import checkpoint as ckpt
 from leansft.train import distributed as dist
 from leansft.train.batches import Batcher, Position
-from leansft.train.collate import PackedBatch
 from leansft.train.loss import normalise
-from leansft.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes, step_flops
+from leansft.train.metrics import MetricsLog, attended_squares, device_peak_flops, peak_memory_bytes, step_flops
 from leansft.train.step import LossModule
 
 log = logging.getLogger("leansft")
@@ -167,14 +166,6 @@ class StopFlag:
             signal.signal(sig, old)
 
 
-def attended_sq(batch) -> float:
-    if isinstance(batch, PackedBatch):
-        lens = torch.diff(batch.cu_seqlens).double()
-        return float((lens**2).sum())
-    b, width = batch.input_ids.shape
-    return float(b * width * width)
-
-
 def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) -> dict:
     """Run training as configured; returns the last logged metrics. ``hooks`` are for tests."""
     hooks = hooks or {}
@@ -276,7 +267,7 @@ def train(cfg: RunConfig, resume: str | None = None, hooks: dict | None = None) 
                 window["target"] += b.target_tokens
                 window["slots"] += int(b.input_ids.numel())
                 window["flops"] += step_flops(n_params, mcfg.num_hidden_layers, mcfg.hidden_size, b.real_tokens,
-                                              attended_sq(b))
+                                              attended_squares(b))
                 counters["examples_seen"] += len(np.unique(b.examples))
                 counters["tokens_seen"] += b.real_tokens
             step_loss = float(dist.all_reduce_sum(loss_total, device)) / max(step_targets, 1)

@@ -30,6 +30,15 @@ def step_flops(n_params: int, layers: int, hidden: int, real_tokens: int, attend
     return 6.0 * n_params * real_tokens + 6.0 * layers * hidden * attended_sq
 
 
+def attended_squares(batch) -> float:
+    """Sum of L^2 over the blocks a batch really attends: each packed segment, or rows x width^2 padded."""
+    cu = getattr(batch, "cu_seqlens", None)
+    if cu is not None:
+        return float((torch.diff(cu).double() ** 2).sum())
+    rows, width = batch.input_ids.shape
+    return float(rows * width * width)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
