@@ -13,12 +13,12 @@ import numpy as np
 import torch
 import transformers as tf
 
-from leansft.data.dataset import TokenizedDataset
-from leansft.model.attention import VARLEN, packed_forward, use_packed_attention
-from leansft.plan.pack import bfd, padded
-from leansft.plan.stats import lognormal_lengths
-from leansft.train.collate import collate_padded, collate_rows, micro_batches
-from leansft.train.loss import chunked_loss
+from leansft.core.attention import VARLEN, packed_forward, use_packed_attention
+from leansft.core.collate import collate_padded, collate_rows, micro_batches
+from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.loss import chunked_loss
+from leansft.core.packing import bfd, padded
+from leansft.tools.stats import lognormal_lengths
 
 
 def synthetic(n: int, seed: int = 0) -> TokenizedDataset:

@@ -15,13 +15,13 @@ import numpy as np
 import torch
 import transformers as tf
 
-from leansft.data.dataset import TokenizedDataset
-from leansft.model.attention import choose_backend, use_packed_attention
-from leansft.plan.pack import bfd, padded
-from leansft.plan.stats import lognormal_lengths
-from leansft.train.collate import collate_padded, collate_rows, micro_batches
-from leansft.train.metrics import attended_squares, device_peak_flops, step_flops
-from leansft.train.step import LossModule
+from leansft.core.attention import choose_backend, use_packed_attention
+from leansft.core.collate import collate_padded, collate_rows, micro_batches
+from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.flops import attended_squares, device_peak_flops, flop_params, step_flops
+from leansft.core.forward import LossModule
+from leansft.core.packing import bfd, padded
+from leansft.tools.stats import lognormal_lengths
 
 
 def synthetic(n: int, vocab: int) -> TokenizedDataset:
@@ -31,7 +31,7 @@ def synthetic(n: int, vocab: int) -> TokenizedDataset:
     return TokenizedDataset(ids, ids.copy(), off, np.arange(n), np.zeros(n, np.int32), np.arange(n))
 
 
-def run(model, batches, steps, device, n_params, peak) -> dict:
+def run(model, batches, steps, device, params, peak) -> dict:
     module = LossModule(model, chunk_size=4096)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     cfg = model.config
@@ -51,7 +51,8 @@ def run(model, batches, steps, device, n_params, peak) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens += b.real_tokens
-        flops += step_flops(n_params, cfg.num_hidden_layers, cfg.hidden_size, b.real_tokens, attended_squares(b))
+        flops += step_flops(params[0], cfg.num_hidden_layers, cfg.hidden_size, b.real_tokens, attended_squares(b),
+                            params[1], b.target_tokens)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return {"tok_s": tokens / dt, "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
@@ -70,19 +71,19 @@ def main() -> None:
                          tie_word_embeddings=True)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).train()
-    n_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    params = flop_params(model)
     peak = device_peak_flops(device, None)
     data = synthetic(6000, cfg.vocab_size)
     backend = choose_backend(device)
     use_packed_attention(model, backend)
     plan = bfd(data.lengths, 4096)
     packed = [collate_rows(data, plan, g) for g in micro_batches(plan, args.tokens)][: args.steps + 2]
-    res = {"packed": run(model, packed, args.steps, device, n_params, peak)}
+    res = {"packed": run(model, packed, args.steps, device, params, peak)}
     use_packed_attention(model, "sdpa")
     per = max(1, args.tokens // 4096)
     pplan = padded(data.lengths, 4096, per, seed=0)
     pad = [collate_padded(data, pplan.row(i)[0], 0) for i in range(args.steps + 2)]
-    res["padded"] = run(model, pad, args.steps, device, n_params, peak)
+    res["padded"] = run(model, pad, args.steps, device, params, peak)
     print(f"{torch.cuda.get_device_name()} | Qwen2.5-0.5B shape, bf16 autocast, {args.tokens}-token micro-batches, "
           f"attention {backend}")
     print(f"{'':8s} {'real tok/s':>12s} {'peak GB':>8s} {'MFU':>7s}")

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from leansft.memtrack import TensorMemoryTracker
-from leansft.train.loss import chunked_loss, full_logits_loss
+from leansft.core.loss import chunked_loss, full_logits_loss
+from leansft.core.memtrack import TensorMemoryTracker
 
 
 def measure(fn, hidden, weight, labels):

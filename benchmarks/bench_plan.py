@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from leansft.plan.pack import pack
-from leansft.plan.stats import lognormal_lengths
+from leansft.core.packing import pack
+from leansft.tools.stats import lognormal_lengths
 
 
 def main() -> None:

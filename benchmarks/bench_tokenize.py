@@ -14,9 +14,9 @@ import random
 import time
 from pathlib import Path
 
-from leansft.data.formats import Conversation
-from leansft.data.template import ChatEncoder, resolve_template
-from leansft.data.tokenizer import load_tokenizer
+from leansft.core.data.formats import Conversation
+from leansft.core.data.masking import ChatEncoder, resolve_template
+from leansft.core.data.tokenizer import load_tokenizer
 
 WORDS = "the model learns to answer questions about data packing attention loss memory tokens".split()
 

@@ -63,9 +63,9 @@ def setup(n: int) -> dict:
 
 
 def run_leansft(strategy: str, max_length: int, measure_memory: bool) -> dict:
-    from leansft.config import load_config
-    from leansft.memtrack import TensorMemoryTracker
-    from leansft.train.loop import train
+    from leansft.core.config import load_config
+    from leansft.core.memtrack import TensorMemoryTracker
+    from leansft.recipe.train import train
 
     over = [f"model={WORK / 'model'}", f"output_dir={WORK / ('leansft-' + strategy)}",
             f"data.sources=[{WORK / 'data.jsonl'}]", f"data.max_length={max_length}",
@@ -92,7 +92,7 @@ def run_trl(max_length: int, measure_memory: bool) -> dict:
     import transformers as tf
     from trl import SFTConfig, SFTTrainer
 
-    from leansft.memtrack import TensorMemoryTracker
+    from leansft.core.memtrack import TensorMemoryTracker
 
     tok = tf.AutoTokenizer.from_pretrained(WORK / "model")
     model = tf.AutoModelForCausalLM.from_pretrained(WORK / "model", attn_implementation="sdpa")

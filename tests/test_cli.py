@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CHAT, write_jsonl
+from helpers import CHAT, write_jsonl
 
-from leansft.cli import main
+from leansft.tools.cli import main
 
 ALPACA = str(Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json")
 
 
+@pytest.mark.slow
 def test_plan_writes_json_and_plot(tmp_path, qwen25_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "len.png"
     rc = main(["plan", "--data", ALPACA, "--tokenizer", qwen25_path, "--max-length", "512", "--json", str(out),
@@ -32,6 +33,7 @@ def test_plan_writes_json_and_plot(tmp_path, qwen25_path, capsys):
     assert "recommended max_length" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_memory_section(tmp_path, qwen25_path):
     from transformers import Qwen2Config
 
@@ -76,6 +78,7 @@ def run_cli(*args, cwd=None):
         (["show-mask", "--data", "BAD", "--tokenizer", "TOK"], "row 2: field 'messages[1].role': unknown role"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_is_one_clear_error(tmp_path, tiny_bpe_path, args, needle):
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}])
     empty = tmp_path / "e.jsonl"

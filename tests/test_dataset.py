@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import write_jsonl
+from helpers import write_jsonl
 
-from leansft.config import CleanConfig, DataConfig
-from leansft.data import template as template_mod
-from leansft.data.dataset import build_dataset
-from leansft.data.template import IGNORE_INDEX, resolve_template
-from leansft.errors import DataError
+from leansft.core.config import CleanConfig, DataConfig
+from leansft.core.data import masking as template_mod
+from leansft.core.data.dataset import build_dataset
+from leansft.core.data.masking import IGNORE_INDEX, resolve_template
+from leansft.core.errors import DataError
 
 
 def rows(n, prefix="Q"):

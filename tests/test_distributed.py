@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_config
+from helpers import run_config
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -30,9 +30,12 @@ def launch(config: str, nproc: int, *extra: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
+def records(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
 def losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["loss"] for r in records(run)}
 
 
 def weights(run: Path) -> dict:
@@ -44,7 +47,7 @@ def single(tmp_path_factory, tiny_run_assets):
     tmp = tmp_path_factory.mktemp("single")
     cfg = run_config(tmp, tiny_run_assets, "training.max_steps=3", "batching.gradient_accumulation=2",
                      "checkpoint.export=true", "training.learning_rate=1e-4")
-    from leansft.train.loop import train
+    from leansft.recipe.train import train
 
     train(cfg)
     return Path(cfg.output_dir)
@@ -59,6 +62,9 @@ def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, sin
     run = Path(cfg.output_dir)
     ref, got = losses(single), losses(run)
     assert set(got) == set(ref)
+    # counters are global sums over ranks, so they equal the single-process run's
+    for key in ("tokens_seen", "examples_seen"):
+        assert [r[key] for r in records(run)] == [r[key] for r in records(single)]
     for k in ref:
         assert got[k] == pytest.approx(ref[k], rel=1e-5)
     a, b = weights(single), weights(run)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import write_jsonl
+from helpers import write_jsonl
 
-from leansft.data.formats import convert_row, detect_format
-from leansft.data.sources import read_rows
-from leansft.errors import DataError
+from leansft.core.data.formats import convert_row, detect_format
+from leansft.core.data.sources import read_rows
+from leansft.core.errors import DataError
 
 F = "data.jsonl"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_packed_isolation_bf16_on_gpu():
     from test_packing_attention import dataset
 
-    from leansft.model.attention import choose_backend, packed_forward, use_packed_attention
-    from leansft.train.collate import collate_packed
+    from leansft.core.attention import choose_backend, packed_forward, use_packed_attention
+    from leansft.core.collate import collate_packed
 
     device = torch.device("cuda")
     model = tiny_model("qwen2").to(device)
@@ -31,7 +31,7 @@ def test_packed_isolation_bf16_on_gpu():
 
 
 def test_chunked_loss_on_gpu_matches_full_logits():
-    from leansft.train.loss import chunked_loss, full_logits_loss
+    from leansft.core.loss import chunked_loss, full_logits_loss
 
     torch.manual_seed(0)
     h = torch.randn(1, 4096, 256, device="cuda", requires_grad=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leansft.plan.memory import ModelShape, estimate_memory
+from leansft.tools.memory import ModelShape, estimate_memory
 
 LLAMA3_8B = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, tied=False)
 
@@ -23,7 +23,7 @@ def test_llama3_8b_hand_computed():
     assert ck["parts"]["logits"] == 1024 * 128256 * 4 * 2
     lora = estimate_memory(LLAMA3_8B, 32768, method="lora", lora_r=16)
     assert lora["trainable_params"] == pytest.approx(42e6, rel=0.05)
-    assert estimate_memory(LLAMA3_8B, 32768, method="qlora")["parts"]["weights"] < lora["parts"]["weights"] / 2.5
+    assert lora["parts"]["optimizer"] == lora["trainable_params"] * 8  # moments of the adapters only
 
 
 def test_estimate_against_measured_tiny_model():
@@ -31,7 +31,7 @@ def test_estimate_against_measured_tiny_model():
     Tolerance: within a factor of 2 (the estimate ignores allocator slack and temporary buffers)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from leansft.memtrack import TensorMemoryTracker
+    from leansft.core.memtrack import TensorMemoryTracker
 
     cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=2000, tie_word_embeddings=False)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import ARCHS, tiny_model
+from helpers import ARCHS, tiny_model
 
-from leansft.data.dataset import TokenizedDataset
-from leansft.data.template import IGNORE_INDEX
-from leansft.errors import ModelError
-from leansft.model.attention import FLEX, VARLEN, packed_forward, sdpa_varlen_attention, use_packed_attention
-from leansft.plan.pack import bfd
-from leansft.train.collate import collate_padded, collate_packed, collate_rows, micro_batches
-from leansft.train.loss import chunked_loss
+from leansft.core.attention import FLEX, VARLEN, packed_forward, sdpa_varlen_attention, use_packed_attention
+from leansft.core.collate import collate_packed, collate_padded, collate_rows, micro_batches
+from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.data.masking import IGNORE_INDEX
+from leansft.core.errors import ModelError
+from leansft.core.loss import chunked_loss
+from leansft.core.packing import bfd
 
 
 def dataset(seqs: list[list[int]], prompt: int = 2) -> TokenizedDataset:

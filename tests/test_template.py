@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CHAT, build_tiny_bpe, trl_template
+from helpers import CHAT, build_tiny_bpe, trl_template
 
-from leansft.data.formats import Conversation
-from leansft.data.template import IGNORE_INDEX, ChatEncoder, resolve_template
-from leansft.errors import TemplateError
+from leansft.core.data.formats import Conversation
+from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, resolve_template
+from leansft.core.errors import TemplateError
 
 # (fixture, template, end-of-turn text, whether content is trimmed by the template)
 CASES = [
@@ -134,7 +134,7 @@ def test_plain_text_trains_on_every_token_and_ends_with_eos(load_tok, qwen25_pat
 
 def test_template_that_closes_the_conversation_with_eos(load_tok, tiny_bpe_path):
     """Phi-3 style: a finished conversation gets a trailing eos that a longer one does not have there."""
-    from leansft.data.templates import CHATML
+    from leansft.core.data.builtin_templates import CHATML
 
     tok = load_tok(tiny_bpe_path)
     phi_like = CHATML + "{% if not add_generation_prompt %}{{ '<|endoftext|>' }}{% endif %}"

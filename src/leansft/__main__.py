@@ -1,5 +1,5 @@
 import sys
 
-from leansft.cli import main
+from leansft.tools.cli import main
 
 sys.exit(main())

@@ -1,0 +1,177 @@
+"""Varlen attention for packed rows, registered with transformers' AttentionInterface.
+
+A packed micro-batch is one flat sequence of several examples with ``cu_seqlens`` boundaries. Each
+example must attend only to itself: no cross-example pairs computed, no L x L mask materialised.
+
+Backends:
+- ``flash_attention_2`` (transformers' own, flash-attn's varlen kernel) when flash-attn imports and the
+  device is CUDA; it reads the same ``cu_seq_lens_*`` kwargs;
+- ``leansft_sdpa_varlen``: PyTorch SDPA run per example segment (causal inside the segment);
+- ``leansft_flex`` (``attention: flex``): flex_attention with a block-diagonal causal mask, one
+  compiled kernel for the whole sequence on CUDA (eager, slow but exact, on the CPU).
+No mask function is registered for ``leansft_sdpa_varlen``, so transformers builds no mask at all.
+The varlen function refuses to run without segment boundaries rather than silently mixing examples.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from transformers import AttentionInterface
+
+from leansft.core.errors import ModelError
+
+log = logging.getLogger("leansft")
+VARLEN = "leansft_sdpa_varlen"
+FLEX = "leansft_flex"
+PACKED_SAFE = {VARLEN, FLEX, "flash_attention_2", "flash_attention_3"}
+
+
+def _segment_attention(q, k, v, scaling, dropout, softcap, window) -> torch.Tensor:
+    """Causal attention of one segment. q: [1, H, L, D]; k, v: [1, Hkv, L, D]."""
+    n_rep = q.shape[1] // k.shape[1]
+    if softcap is None and (window is None or q.shape[2] <= window):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout,
+                                              enable_gqa=n_rep > 1)
+    # Soft-capped (Gemma 2) or longer than a sliding window: explicit scores for this segment only.
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    L = q.shape[2]
+    i = torch.arange(L, device=q.device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v)
+
+
+def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: q [B, H, T, D] -> out [B, T, H, D], per-example causal."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        raise ModelError(
+            "packed attention called without cu_seq_lens: the examples in this sequence would attend to each "
+            "other", hint="run packed batches through leansft.core.attention.packed_forward (use_cache=False)",
+        )
+    if query.shape[0] != 1:
+        raise ModelError(f"packed batches are one flat sequence; got batch size {query.shape[0]}")
+    dropout = dropout if module.training else 0.0
+    softcap = kwargs.get("softcap")
+    window = kwargs.get("sliding_window")
+    bounds = cu.tolist()
+    outs = [
+        _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout, softcap, window)
+        for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+    ]
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+_FLEX_CACHE: dict = {}
+
+
+def _flex_kernel(device: torch.device):
+    if device.type != "cuda":
+        return flex_attention  # eager reference implementation: correct, not fast
+    if "kernel" not in _FLEX_CACHE:
+        _FLEX_CACHE["kernel"] = torch.compile(flex_attention, dynamic=True)
+    return _FLEX_CACHE["kernel"]
+
+
+def _block_mask(cu: torch.Tensor, total: int, window: int | None, device: torch.device):
+    """Block-diagonal causal mask from the boundaries, built once per micro-batch (all layers share it)."""
+    key = (tuple(cu.tolist()), window, str(device))
+    if _FLEX_CACHE.get("mask_key") != key:
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), torch.diff(cu).to(device))
+
+        def mask_mod(b, h, q, k):
+            keep = (doc[q] == doc[k]) & (q >= k)
+            return keep & (q - k < window) if window is not None else keep
+
+        _FLEX_CACHE["mask_key"] = key
+        _FLEX_CACHE["mask"] = create_block_mask(mask_mod, 1, 1, total, total, device=device,
+                                                BLOCK_SIZE=128 if device.type == "cuda" else 16)
+    return _FLEX_CACHE["mask"]
+
+
+def flex_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """flex_attention with a block-diagonal causal mask: one kernel for the whole packed sequence."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        raise ModelError("packed attention called without cu_seq_lens: the examples would attend to each other")
+    if dropout and module.training:
+        raise ModelError("attention 'flex' does not support attention dropout; use sdpa_varlen")
+    softcap = kwargs.get("softcap")
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, q, k):
+            return softcap * torch.tanh(score / softcap)
+    mask = _block_mask(cu, query.shape[2], kwargs.get("sliding_window"), query.device)
+    out = _flex_kernel(query.device)(query, key, value, block_mask=mask, score_mod=score_mod, scale=scaling,
+                                     enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    AttentionInterface.register(VARLEN, sdpa_varlen_attention)
+    AttentionInterface.register(FLEX, flex_varlen_attention)
+
+
+def choose_backend(device: torch.device, requested: str = "auto") -> str:
+    """The packed-attention implementation for this device, or a clear error if the request can't run."""
+    register()
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if requested in ("flash",) and not (has_flash and device.type == "cuda"):
+        raise ModelError("attention 'flash' needs the flash-attn package and a CUDA device",
+                         field="training.attention", hint="pip install flash-attn, or use attention: auto")
+    if requested == "flex":
+        return FLEX
+    if requested == "sdpa_varlen":
+        return VARLEN
+    if requested == "flash" or (requested == "auto" and has_flash and device.type == "cuda"):
+        return "flash_attention_2"
+    return VARLEN
+
+
+def set_attention(model, impl: str) -> None:
+    """Point every attention module of ``model`` (sub-configs included) at implementation ``impl``."""
+    model.config._attn_implementation = impl
+    for sub in model.modules():
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = impl
+
+
+def use_packed_attention(model, backend: str) -> None:
+    """Register leansft's backends, point ``model`` at ``backend`` and log what is really used."""
+    register()
+    set_attention(model, backend)
+    log.info("packed attention backend: %s", backend)
+
+
+def packed_forward(model, batch, use_cache: bool = False) -> torch.Tensor:
+    """Final hidden states [1, T, H] of a packed batch, via the model's decoder (no logits)."""
+    impl = model.config._attn_implementation
+    if impl not in PACKED_SAFE:
+        raise ModelError(
+            f"attention implementation '{impl}' would let packed examples attend to each other",
+            hint="call leansft.core.attention.use_packed_attention(model, choose_backend(device)) first",
+        )
+    if use_cache:
+        raise ModelError("use_cache=True bypasses packed-sequence handling; packed forwards run without a cache")
+    decoder = model.get_decoder()
+    out = decoder(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+        cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
+        max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen,
+    )
+    return out.last_hidden_state

@@ -1,0 +1,132 @@
+"""Batches from the cached token arrays, without Python loops over tokens.
+
+Packed: rows of pieces become one flat sequence per micro-batch with ``position_ids`` restarting at 0
+per piece, ``cu_seqlens`` (int32) and ``max_seqlen``; labels are the unshifted labels with -100 on the
+first token of every piece, so the loss shift never pairs two examples.
+Padded (sorted/padded strategies): ordinary [B, L] tensors with an attention mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.data.masking import IGNORE_INDEX
+from leansft.core.packing import PackPlan
+
+
+class _Targets:
+    labels: torch.Tensor
+
+    @property
+    def target_tokens(self) -> int:
+        """Tokens that carry loss after the shift (a row's first token never does)."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass
+class PackedBatch(_Targets):
+    input_ids: torch.Tensor  # [1, T]
+    labels: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    cu_seqlens: torch.Tensor  # [n + 1] int32
+    max_seqlen: int
+    examples: np.ndarray  # example index of each piece
+    starts: np.ndarray  # first token of each piece inside its example (0 unless split)
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def examples_begun(self) -> int:
+        """Examples whose first piece is here: an example split across micro-batches counts once."""
+        return int((self.starts == 0).sum())
+
+    def to(self, device) -> PackedBatch:
+        return PackedBatch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
+                           self.cu_seqlens.to(device), self.max_seqlen, self.examples, self.starts)
+
+
+@dataclass
+class PaddedBatch(_Targets):
+    input_ids: torch.Tensor  # [B, L]
+    labels: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    position_ids: torch.Tensor
+    examples: np.ndarray
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def examples_begun(self) -> int:
+        return len(self.examples)
+
+    def to(self, device) -> PaddedBatch:
+        return PaddedBatch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device),
+                           self.position_ids.to(device), self.examples)
+
+
+def collate_packed(data: TokenizedDataset, example: np.ndarray, start: np.ndarray, length: np.ndarray) -> PackedBatch:
+    """One flat sequence of the given pieces (example index, first token, token count)."""
+    length = np.asarray(length, dtype=np.int64)
+    cu = np.zeros(len(length) + 1, dtype=np.int64)
+    np.cumsum(length, out=cu[1:])
+    total = int(cu[-1])
+    src = data.offsets[:-1][example] + np.asarray(start, dtype=np.int64)
+    gather = np.repeat(src - cu[:-1], length) + np.arange(total)
+    ids = data.input_ids[gather].astype(np.int64)
+    labels = data.labels[gather].astype(np.int64)
+    labels[cu[:-1][length > 0]] = IGNORE_INDEX
+    positions = np.arange(total) - np.repeat(cu[:-1], length)
+    return PackedBatch(
+        torch.from_numpy(ids)[None], torch.from_numpy(labels)[None], torch.from_numpy(positions)[None],
+        torch.from_numpy(cu.astype(np.int32)), int(length.max()) if len(length) else 0, np.asarray(example),
+        np.asarray(start),
+    )
+
+
+def micro_batches(plan: PackPlan, tokens_per_micro_batch: int, rows: np.ndarray | None = None) -> list[np.ndarray]:
+    """Group consecutive packed rows into micro-batches of at most ``tokens_per_micro_batch`` tokens."""
+    rows = np.arange(plan.num_rows) if rows is None else np.asarray(rows)
+    tokens = plan.row_tokens[rows]
+    groups, cur, used = [], [], 0
+    for r, t in zip(rows.tolist(), tokens.tolist()):
+        if cur and used + t > tokens_per_micro_batch:
+            groups.append(np.asarray(cur))
+            cur, used = [], 0
+        cur.append(r)
+        used += t
+    if cur:
+        groups.append(np.asarray(cur))
+    return groups
+
+
+def collate_rows(data: TokenizedDataset, plan: PackPlan, rows: np.ndarray) -> PackedBatch:
+    """Packed batch of several plan rows (they are independent, so their pieces simply concatenate)."""
+    idx = np.concatenate([np.arange(plan.row_offsets[r], plan.row_offsets[r + 1]) for r in rows])
+    return collate_packed(data, plan.example[idx], plan.start[idx], plan.length[idx])
+
+
+def collate_padded(data: TokenizedDataset, examples: np.ndarray, pad_id: int, max_length: int | None = None) -> PaddedBatch:
+    examples = np.asarray(examples, dtype=np.int64)
+    lens = data.lengths[examples]
+    if max_length is not None:
+        lens = np.minimum(lens, max_length)
+    width = int(lens.max())
+    ids = np.full((len(examples), width), pad_id, dtype=np.int64)
+    labels = np.full((len(examples), width), IGNORE_INDEX, dtype=np.int64)
+    mask = np.arange(width)[None, :] < lens[:, None]
+    rows, cols = np.nonzero(mask)
+    src = data.offsets[:-1][examples][rows] + cols
+    ids[rows, cols] = data.input_ids[src]
+    labels[rows, cols] = data.labels[src]
+    labels[:, 0] = IGNORE_INDEX
+    positions = np.broadcast_to(np.arange(width), ids.shape).copy()
+    return PaddedBatch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask.astype(np.int64)),
+                       torch.from_numpy(positions), examples)

@@ -1,0 +1,274 @@
+"""Run configuration: pydantic models, every default in one place.
+
+A YAML file is validated against ``RunConfig``; unknown keys and wrong types are errors that name the
+key and the file. ``key=value`` overrides use dotted keys (``training.max_steps=20``). Names that users
+of Hugging Face Trainer / TRL / Axolotl know (``gradient_accumulation_steps``, ``num_train_epochs``...)
+are accepted as aliases (``ALIASES``), at the top level or inside their section. Relative paths in a
+config file (model, tokenizer, data sources, eval_file, template) are resolved against the file's
+folder when something exists there; output_dir and cache_dir stay relative to the working directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from leansft.core.errors import ConfigError
+
+Strategy = Literal["bfd", "bfd_split", "wrapped", "sorted", "padded"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+PACKED_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # one flat sequence per micro-batch, varlen attention
+SPLITTING_STRATEGIES = ("bfd_split", "wrapped")  # cut long examples into pieces themselves (no truncation)
+Format = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"]
+LossOn = Literal["assistant", "last_assistant", "all"]
+Method = Literal["full", "lora"]
+Attention = Literal["auto", "flash", "sdpa_varlen", "flex"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SourceConfig(_Strict):
+    path: str
+    format: Format = "auto"
+    weight: float = Field(1.0, gt=0, description="sampling weight: 2.0 repeats the source, 0.5 keeps half")
+    split: str = "train"
+
+
+class CleanConfig(_Strict):
+    dedupe: bool = True
+    min_tokens: int = Field(1, ge=0)
+    max_tokens: int | None = Field(None, gt=0)
+    drop_no_assistant: bool = True
+    pii_scrub: bool = False
+
+
+class DataConfig(_Strict):
+    sources: list[SourceConfig] = Field(default_factory=list)
+    eval_file: str | None = None
+    eval_split: float = Field(0.0, ge=0, lt=1, description="fraction held out when no eval_file is given")
+    template: str | None = None
+    loss_on: LossOn = "assistant"
+    max_length: int = Field(2048, gt=0)
+    truncation: Literal["truncate", "drop"] = "truncate"
+    on_bad_row: Literal["error", "skip"] = "error"
+    clean: CleanConfig = Field(default_factory=CleanConfig)
+    cache_dir: str | None = None
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _paths_as_sources(cls, v):
+        if isinstance(v, (str, dict)):
+            v = [v]
+        return [{"path": s} if isinstance(s, str) else s for s in v]
+
+
+class BatchingConfig(_Strict):
+    strategy: Strategy = "bfd"
+    tokens_per_micro_batch: int = Field(4096, gt=0)
+    batch_size: int = Field(8, gt=0, description="examples per batch for sorted/padded")
+    gradient_accumulation: int = Field(1, gt=0)
+    window: int = Field(512, gt=0, description="sorted: examples per sorting window")
+
+
+class LoraConfig(_Strict):
+    r: int = Field(16, gt=0)
+    alpha: int = Field(32, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | str = "all-linear"
+    merge_on_export: bool = True
+
+
+class TrainingConfig(_Strict):
+    method: Method = "full"
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    learning_rate: float = Field(2e-5, gt=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    gradient_checkpointing: bool = False
+    activation_offloading: bool = False
+    loss_chunk_size: int = Field(1024, gt=0)
+    loss_backend: Literal["chunked", "liger"] = "chunked"
+    attention: Attention = "auto"
+    seed: int = 0
+
+
+class EvalConfig(_Strict):
+    eval_every: int | None = Field(None, gt=0)
+    samples_every: int | None = Field(None, gt=0)
+    prompts: list[str] = Field(default_factory=list)
+    num_samples: int = Field(3, ge=0)
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(0.7, ge=0)
+    top_p: float = Field(0.9, gt=0, le=1)
+    early_stopping_patience: int | None = Field(None, gt=0)
+
+
+class CheckpointConfig(_Strict):
+    save_every: int | None = Field(None, gt=0)
+    keep_last: int = Field(2, ge=1)
+    keep_best: int = Field(1, ge=0)
+    export: bool = True
+
+
+class LoggingConfig(_Strict):
+    log_every: int = Field(1, gt=0)
+    tensorboard: bool = False
+    peak_flops: float | None = Field(None, gt=0, description="device peak FLOP/s for MFU when not known")
+
+
+class DistributedConfig(_Strict):
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+
+
+class RunConfig(_Strict):
+    model: str = Field(description="model folder, config.json, .gguf file, pkg: path or Hub id")
+    tokenizer: str | None = None
+    output_dir: str = "runs/leansft"
+    data: DataConfig = Field(default_factory=DataConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="after")
+    def _tokens_fit_a_row(self):
+        if self.batching.strategy in PACKED_STRATEGIES and self.batching.tokens_per_micro_batch < self.data.max_length:
+            raise ValueError(
+                f"batching.tokens_per_micro_batch ({self.batching.tokens_per_micro_batch}) must be at least "
+                f"data.max_length ({self.data.max_length}) so one packed row fits a micro-batch"
+            )
+        return self
+
+
+def _set_dotted(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set '{dotted}': '{k}' is not a section", field=dotted)
+    node[keys[-1]] = value
+
+
+def _format_validation(err: ValidationError, file: str | None) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{key}: {msg}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and "input" in e and not isinstance(e["input"], dict) else ""))
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or None
+    return ConfigError("invalid config:\n  " + "\n  ".join(lines), file=file, field=field)
+
+
+# Other tools' names for our keys: alias -> dotted key. Accepted at the top level and, for a key that
+# belongs to a section, inside that section too (training.num_train_epochs). Values are checked as ours.
+ALIASES: dict[str, str] = {
+    "model_name_or_path": "model", "base_model": "model",
+    "max_seq_length": "data.max_length", "sequence_len": "data.max_length", "max_length": "data.max_length",
+    "gradient_accumulation_steps": "batching.gradient_accumulation",
+    "num_train_epochs": "training.epochs", "num_epochs": "training.epochs",
+    "max_steps": "training.max_steps", "learning_rate": "training.learning_rate",
+    "lr_scheduler_type": "training.schedule", "lr_scheduler": "training.schedule",
+    "warmup_steps": "training.warmup_steps", "warmup_ratio": "training.warmup_ratio",
+    "weight_decay": "training.weight_decay", "max_grad_norm": "training.max_grad_norm",
+    "gradient_checkpointing": "training.gradient_checkpointing", "seed": "training.seed",
+    "attn_implementation": "training.attention",
+    "lora_r": "training.lora.r", "lora_alpha": "training.lora.alpha", "lora_dropout": "training.lora.dropout",
+    "lora_target_modules": "training.lora.target_modules",
+    "save_steps": "checkpoint.save_every", "save_total_limit": "checkpoint.keep_last",
+    "eval_steps": "eval.eval_every", "logging_steps": "logging.log_every",
+}
+# Values other tools use for ours.
+VALUE_ALIASES: dict[str, dict] = {
+    "training.schedule": {"constant_with_warmup": "constant", "cosine_with_warmup": "cosine"},
+    "training.attention": {"flash_attention_2": "flash", "sdpa": "sdpa_varlen", "flex_attention": "flex"},
+}
+
+
+def _get_dotted(tree: dict, dotted: str):
+    node = tree
+    for k in dotted.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return None
+        node = node[k]
+    return node
+
+
+def _apply_aliases(tree: dict, file: str | None) -> None:
+    """Move alias keys to their dotted home; an alias and its key both set is an error."""
+    found: list[tuple[dict, str, str]] = []
+    for alias, target in ALIASES.items():
+        if alias in tree:
+            found.append((tree, alias, target))
+        section = target.split(".")[0]
+        if "." in target and isinstance(tree.get(section), dict) and alias in tree[section] \
+                and alias != target.split(".", 1)[1]:
+            found.append((tree[section], alias, target))
+    for node, alias, target in found:
+        value = node.pop(alias)
+        value = VALUE_ALIASES.get(target, {}).get(value, value) if isinstance(value, str) else value
+        if _get_dotted(tree, target) is not None:
+            raise ConfigError(f"'{alias}' is another name for '{target}', and both are set", file=file, field=alias)
+        _set_dotted(tree, target, value)
+
+
+def _resolve_paths(cfg: RunConfig, base: Path) -> None:
+    """A relative local path in a config file means relative to that file, when something exists there."""
+    def resolved(value: str | None) -> str | None:
+        if not value or value.startswith("pkg:") or Path(value).is_absolute() or "{" in value:
+            return value
+        return str(base / value) if (base / value).exists() else value
+
+    for s in cfg.data.sources:
+        s.path = resolved(s.path)
+    cfg.model = resolved(cfg.model)
+    cfg.tokenizer = resolved(cfg.tokenizer)
+    cfg.data.eval_file = resolved(cfg.data.eval_file)
+    cfg.data.template = resolved(cfg.data.template)
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read YAML (or start empty), apply ``key=value`` overrides (values parsed as YAML), validate."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("config file not found", file=path)
+        try:
+            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"invalid YAML: {err}", file=path) from None
+        if not isinstance(tree, dict):
+            raise ConfigError("the config must be a YAML mapping", file=path)
+        _apply_aliases(tree, path)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value", field=item)
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        key = ALIASES.get(key, key)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        value = VALUE_ALIASES.get(key, {}).get(value, value) if isinstance(value, str) else value
+        _set_dotted(tree, key, value)
+    try:
+        cfg = RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise _format_validation(err, path) from None
+    if path is not None:
+        _resolve_paths(cfg, Path(path).parent)
+    return cfg

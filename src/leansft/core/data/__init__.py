@@ -1,0 +1,1 @@
+"""Rows -> conversations -> rendered, masked, tokenised examples (cached, memory-mapped): ``prepare_data``."""

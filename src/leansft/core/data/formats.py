@@ -1,0 +1,238 @@
+"""Convert raw rows of every common SFT format to one form: a list of ``{"role", "content"}`` messages.
+
+Formats: alpaca, sharegpt, messages (OpenAI style), prompt_completion, text. ``auto`` looks at the
+keys of the first row, says which format it picked, and refuses to guess when several fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from leansft.core.errors import DataError
+
+MESSAGE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+                 "tool": "tool", "function": "tool", "ipython": "tool"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+
+@dataclass
+class Conversation:
+    """One training example before tokenisation. ``text`` is set (and ``messages`` empty) for plain text."""
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    text: str | None = None
+    row: int = 0
+
+    @property
+    def has_assistant(self) -> bool:
+        return self.text is not None or any(m["role"] == "assistant" for m in self.messages)
+
+
+class _Row:
+    """Field access on one raw row that raises errors naming file, row and field."""
+
+    def __init__(self, row: dict[str, Any], file: str, number: int) -> None:
+        self.row, self.file, self.number = row, file, number
+
+    def error(self, field_name: str, message: str) -> DataError:
+        return DataError(message, file=self.file, row=self.number, field=field_name)
+
+    def get(self, key: str, *, required: bool = True, types: tuple[type, ...] = (str,)) -> Any:
+        if key not in self.row or self.row[key] is None:
+            if required:
+                raise self.error(key, "missing")
+            return None
+        value = self.row[key]
+        if not isinstance(value, types):
+            names = " or ".join(t.__name__ for t in types)
+            raise self.error(key, f"expected {names}, got {type(value).__name__}")
+        return value
+
+    def text(self, key: str, *, required: bool = True, allow_empty: bool = False) -> str | None:
+        value = self.get(key, required=required)
+        if value is not None and not allow_empty and not value.strip():
+            raise self.error(key, "empty content")
+        return value
+
+
+def _text_of_parts(r: _Row, where: str, parts: list) -> str:
+    """OpenAI-style content parts ``[{"type": "text", "text": ...}]`` joined; other parts are refused."""
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise r.error(f"{where}[{j}]", f"unsupported content part {kind!r} (text only)")
+    return "".join(texts)
+
+
+def _check_content(r: _Row, where: str, role: str, content: Any) -> str:
+    if isinstance(content, list):
+        content = _text_of_parts(r, where, content)
+    if not isinstance(content, str):
+        raise r.error(where, f"expected str, got {type(content).__name__}")
+    if not content.strip() and role in ("user", "assistant"):
+        raise r.error(where, "empty content")
+    return content
+
+
+def _message_list(r: _Row, key: str, items: Any, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict]:
+    if not isinstance(items, list):
+        raise r.error(key, f"expected a list of messages, got {type(items).__name__}")
+    if not items:
+        raise r.error(key, "empty list of messages")
+    out = []
+    for i, msg in enumerate(items):
+        where = f"{key}[{i}]"
+        if not isinstance(msg, dict):
+            raise r.error(where, f"expected an object, got {type(msg).__name__}")
+        if role_key not in msg:
+            raise r.error(f"{where}.{role_key}", "missing")
+        raw_role = msg[role_key]
+        if not isinstance(raw_role, str) or raw_role.lower() not in roles:
+            raise r.error(f"{where}.{role_key}", f"unknown role {raw_role!r}; expected one of {sorted(roles)}")
+        role = roles[raw_role.lower()]
+        if content_key not in msg or msg[content_key] is None:
+            if role == "assistant" and msg.get("tool_calls"):
+                out.append({"role": role, "content": "", "tool_calls": msg["tool_calls"]})
+                continue
+            raise r.error(f"{where}.{content_key}", "missing")
+        content = _check_content(r, f"{where}.{content_key}", role, msg[content_key])
+        if role == "system" and not content.strip():
+            continue  # an empty system prompt says nothing; templates render it oddly
+        new = {"role": role, "content": content}
+        for extra in ("tool_calls", "name", "tool_call_id", "reasoning_content"):
+            if msg.get(extra) is not None:
+                new[extra] = msg[extra]
+        out.append(new)
+    return out
+
+
+def from_alpaca(r: _Row) -> Conversation:
+    instruction = r.text("instruction")
+    extra = r.text("input", required=False, allow_empty=True)
+    output = r.text("output")
+    system = r.text("system", required=False, allow_empty=True)
+    prompt = instruction if not extra or not extra.strip() else f"{instruction}\n\n{extra}"
+    messages = [{"role": "system", "content": system}] if system and system.strip() else []
+    history = r.get("history", required=False, types=(list,))
+    for i, pair in enumerate(history or []):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise r.error(f"history[{i}]", "expected a [user, assistant] pair of strings")
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    return Conversation(messages=messages)
+
+
+def from_sharegpt(r: _Row) -> Conversation:
+    key = "conversations" if "conversations" in r.row else "conversation"
+    items = r.get(key, types=(list,))
+    messages = _message_list(r, key, items, "from", "value", SHAREGPT_ROLES)
+    system = r.text("system", required=False, allow_empty=True)
+    if system and system.strip() and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return Conversation(messages=messages)
+
+
+def from_messages(r: _Row) -> Conversation:
+    key = "messages" if "messages" in r.row else "conversations"
+    items = r.get(key, types=(list,))
+    return Conversation(messages=_message_list(r, key, items, "role", "content", MESSAGE_ROLES))
+
+
+def from_prompt_completion(r: _Row) -> Conversation:
+    prompt = r.get("prompt", types=(str, list))
+    completion = r.get("completion", types=(str, list))
+    roles = MESSAGE_ROLES
+    if isinstance(prompt, str):
+        _check_content(r, "prompt", "user", prompt)
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = _message_list(r, "prompt", prompt, "role", "content", roles)
+    if isinstance(completion, str):
+        _check_content(r, "completion", "assistant", completion)
+        messages.append({"role": "assistant", "content": completion})
+    else:
+        messages += _message_list(r, "completion", completion, "role", "content", roles)
+    system = r.text("system", required=False, allow_empty=True)
+    if system and system.strip() and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return Conversation(messages=messages)
+
+
+def from_text(r: _Row) -> Conversation:
+    return Conversation(text=r.text("text"))
+
+
+CONVERTERS: dict[str, Callable[[_Row], Conversation]] = {
+    "alpaca": from_alpaca,
+    "sharegpt": from_sharegpt,
+    "messages": from_messages,
+    "prompt_completion": from_prompt_completion,
+    "text": from_text,
+}
+FORMATS = ("auto", *CONVERTERS)
+
+
+def _matches(row: dict[str, Any]) -> list[str]:
+    keys = set(row)
+    found = []
+    if {"instruction", "output"} <= keys:
+        found.append("alpaca")
+    for key in ("conversations", "conversation", "messages"):
+        items = row.get(key)
+        if isinstance(items, list) and items and isinstance(items[0], dict):
+            found.append("sharegpt" if "from" in items[0] else "messages")
+    if {"prompt", "completion"} <= keys:
+        found.append("prompt_completion")
+    if "text" in keys:
+        found.append("text")
+    return sorted(set(found))
+
+
+def detect_format(row: dict[str, Any], file: str, number: int) -> str:
+    """Pick the format from one row's keys; zero or several matches is an error."""
+    found = _matches(row)
+    if len(found) == 1:
+        return found[0]
+    keys = ", ".join(sorted(map(str, row))) or "(none)"
+    if not found:
+        raise DataError(
+            f"cannot detect the data format from keys [{keys}]",
+            file=file,
+            row=number,
+            hint=f"pass format explicitly, one of {', '.join(CONVERTERS)}",
+        )
+    raise DataError(
+        f"ambiguous data format: keys [{keys}] fit {' and '.join(found)}",
+        file=file,
+        row=number,
+        hint="pass format explicitly",
+    )
+
+
+def convert_row(row: dict[str, Any], fmt: str, file: str, number: int) -> Conversation:
+    """Convert one raw row; ``fmt`` must be a concrete format (resolve ``auto`` first)."""
+    if fmt not in CONVERTERS:
+        raise DataError(f"unknown format '{fmt}'; expected one of {', '.join(FORMATS)}", file=file, field="format")
+    conv = CONVERTERS[fmt](_Row(row, file, number))
+    conv.row = number
+    return conv

@@ -1,0 +1,55 @@
+"""The one way data is prepared, for train, doctor, plan, show-mask and eval alike.
+
+tokenizer spec -> tokenizer -> chat template -> tokenised, masked, cleaned dataset (cached; rank 0
+first under torchrun so the cache is built once) -> optional held-out split or eval file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from leansft.core import parallel
+from leansft.core.config import DataConfig, SourceConfig
+from leansft.core.data.dataset import PrepReport, TokenizedDataset, build_dataset
+from leansft.core.data.masking import ChatTemplate, resolve_template
+from leansft.core.data.tokenizer import load_tokenizer
+
+
+@dataclass
+class PreparedData:
+    tokenizer: object
+    template: ChatTemplate
+    train: TokenizedDataset
+    eval: TokenizedDataset | None
+    report: PrepReport
+
+
+def split_eval(data: TokenizedDataset, fraction: float, seed: int) -> tuple[TokenizedDataset, TokenizedDataset | None]:
+    """Seeded held-out split; the eval rows never enter training."""
+    if fraction <= 0:
+        return data, None
+    n_eval = max(1, int(round(len(data) * fraction)))
+    perm = np.random.default_rng(seed + 17).permutation(len(data))
+    return data.select(np.sort(perm[n_eval:])), data.select(np.sort(perm[:n_eval]))
+
+
+def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncate: bool = True,
+                 holdout: bool = True) -> PreparedData:
+    """Tokenise ``cfg.sources`` with the tokenizer's (or the configured) template.
+
+    ``truncate``: cut examples at ``cfg.max_length`` (False for plans and for strategies that split
+    long examples themselves). ``holdout``: set aside ``cfg.eval_file`` or an ``eval_split`` fraction.
+    """
+    tokenizer = load_tokenizer(tokenizer_spec)
+    template = resolve_template(tokenizer, cfg.template)
+    eval_data = None
+    with parallel.rank_zero_first():
+        data, report = build_dataset(cfg, tokenizer, template, seed=seed, truncate=truncate)
+        if holdout and cfg.eval_file:
+            eval_data, _ = build_dataset(cfg, tokenizer, template, seed=seed,
+                                         sources=[SourceConfig(path=cfg.eval_file)])
+    if holdout and eval_data is None:
+        data, eval_data = split_eval(data, cfg.eval_split, seed)
+    return PreparedData(tokenizer, template, data, eval_data, report)

@@ -1,0 +1,53 @@
+"""Load a tokenizer from a folder, a tokenizer.json file, a .gguf file, or a Hub id."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from leansft.core.errors import ModelError
+from leansft.core.paths import resolve_package_path
+
+
+def load_tokenizer(spec: str):
+    """Return a fast ``transformers`` tokenizer; any failure becomes a ``ModelError`` naming ``spec``."""
+
+    spec = resolve_package_path(spec)
+    path = Path(spec)
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        elif path.is_file() and path.suffix == ".json":
+            if (path.parent / "tokenizer_config.json").exists() and path.name == "tokenizer.json":
+                tok = AutoTokenizer.from_pretrained(str(path.parent), local_files_only=True)
+            else:
+                tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
+        elif path.is_dir():
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        elif path.exists():
+            raise ModelError("not a tokenizer: expected a folder, a tokenizer.json or a .gguf file", file=spec)
+        else:
+            tok = AutoTokenizer.from_pretrained(spec)
+    except ModelError:
+        raise
+    except Exception as err:
+        where = "local tokenizer" if path.exists() else "tokenizer (no local path of that name; tried the Hub)"
+        raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
+    if not getattr(tok, "is_fast", False):
+        raise ModelError("a fast (Rust) tokenizer is required for offsets and batched tokenisation", file=spec)
+    return tok
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of everything that changes token ids: the backend JSON and the special tokens."""
+    h = hashlib.sha256()
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(repr(sorted(tokenizer.special_tokens_map.items(), key=str)).encode())
+    return h.hexdigest()
+
+
+def pad_id(tokenizer) -> int:
+    """The id padded batches fill with (never a target: labels there are -100)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

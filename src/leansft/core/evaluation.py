@@ -1,0 +1,66 @@
+"""Held-out loss, perplexity and token accuracy over target tokens, token-weighted, no grad.
+
+Uses the same masking, packing and varlen attention as training; logits are made chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from leansft.core.collate import collate_rows, micro_batches
+from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.forward import hidden_states
+from leansft.core.loss import output_softcap, select_targets
+from leansft.core.packing import bfd
+
+
+@torch.no_grad()
+def eval_stats(hidden, weight, labels, chunk_size: int, softcap: float | None = None) -> tuple[float, int, int]:
+    """(summed loss, targets, correct argmax predictions) of one batch."""
+    h, t = select_targets(hidden, labels)
+    total, correct = 0.0, 0
+    for s in range(0, len(t), chunk_size):
+        logits = (h[s : s + chunk_size] @ weight.t()).float()
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        tt = t[s : s + chunk_size]
+        total += float(torch.nn.functional.cross_entropy(logits, tt, reduction="sum"))
+        correct += int((logits.argmax(-1) == tt).sum())
+    return total, int(len(t)), correct
+
+
+@torch.no_grad()
+def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_batch: int, chunk_size: int = 1024,
+             device: torch.device | None = None, autocast_dtype: torch.dtype | None = None,
+             sharded_module=None) -> dict:
+    """Token-weighted mean loss over all target tokens of ``data`` (packed, varlen attention).
+
+    ``sharded_module``: the FSDP-wrapped loss module; its forward gathers the shards, so the loss goes
+    through it (every rank takes part) and token accuracy is not computed."""
+    was_training = model.training
+    model.eval()
+    device = device or next(model.parameters()).device
+    plan = bfd(np.minimum(data.lengths, max_length), max_length)
+    weight = model.get_output_embeddings().weight
+    softcap = output_softcap(model)
+    loss, n, correct = 0.0, 0, 0
+    try:
+        for rows in micro_batches(plan, max(tokens_per_micro_batch, max_length)):
+            batch = collate_rows(data, plan, rows).to(device)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                if sharded_module is not None:
+                    l, k, c = float(sharded_module(batch)), batch.target_tokens, 0
+                else:
+                    hidden = hidden_states(model, batch)
+            if sharded_module is None:
+                l, k, c = eval_stats(hidden, weight, batch.labels, chunk_size, softcap)
+            loss, n, correct = loss + l, n + k, correct + c
+    finally:
+        model.train(was_training)
+    mean = loss / max(n, 1)
+    accuracy = None if sharded_module is not None else correct / max(n, 1)
+    return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50)), "eval_token_accuracy": accuracy,
+            "eval_targets": n}

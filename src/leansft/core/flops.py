@@ -1,0 +1,56 @@
+"""What a step costs: training FLOPs (for MFU), device peak FLOP/s, peak memory."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+# Dense bf16 peak FLOP/s by device name fragment (no sparsity).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+              "RTX 4090": 165e12, "A6000": 155e12, "V100": 125e12}
+
+
+def device_peak_flops(device: torch.device, configured: float | None) -> float | None:
+    if configured:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for frag, flops in PEAK_FLOPS.items():
+            if frag in name:
+                return flops
+    return None
+
+
+def flop_params(model) -> tuple[int, int]:
+    """(body parameters, output-layer parameters). The body runs on every token; the output layer only
+    on target tokens, as the chunked loss computes it. Input embeddings are a lookup (no FLOPs)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    seen = {emb.data_ptr(), head.data_ptr()}
+    body = sum(p.numel() for p in model.parameters() if p.data_ptr() not in seen)
+    return body, head.numel()
+
+
+def step_flops(body_params: int, layers: int, hidden: int, real_tokens: int, attended_sq: float,
+               head_params: int = 0, target_tokens: int = 0) -> float:
+    """Training FLOPs (forward + backward = 3 x forward): 6 x body params x tokens for the matmuls,
+    6 x head params x target tokens for the logits the loss computes, plus attention (QK^T and PV,
+    causal half): 6 x layers x hidden x sum(L^2) over the blocks actually attended."""
+    return (6.0 * body_params * real_tokens + 6.0 * head_params * target_tokens
+            + 6.0 * layers * hidden * attended_sq)
+
+
+def attended_squares(batch) -> float:
+    """Sum of L^2 over the blocks a batch really attends: each packed segment, or rows x width^2 padded."""
+    cu = getattr(batch, "cu_seqlens", None)
+    if cu is not None:
+        return float((torch.diff(cu).double() ** 2).sum())
+    rows, width = batch.input_ids.shape
+    return float(rows * width * width)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # process peak RSS on Linux

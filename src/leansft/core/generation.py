@@ -1,0 +1,71 @@
+"""Generation with the model's chat template: samples during training, `leansft generate`/`chat`."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from leansft.core.attention import set_attention
+from leansft.core.data.formats import Conversation
+from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
+
+
+def stop_token_ids(tokenizer, template: ChatTemplate) -> list[int]:
+    """eos plus the template's end-of-turn token (the last loss token of an assistant turn)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    conv = Conversation(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    try:
+        (_, labels), = ChatEncoder(tokenizer, template).encode([conv])
+        targets = labels[labels != IGNORE_INDEX]
+        if len(targets):
+            ids.add(int(targets[-1]))
+    except Exception:  # a template that cannot mark turns still generates; eos alone stops it
+        pass
+    return sorted(ids)
+
+
+@contextlib.contextmanager
+def generation_mode(model):
+    """Eval mode and a cache-capable attention for generation; training state restored afterwards."""
+    was_training = model.training
+    impl = model.config._attn_implementation
+    model.eval()
+    if impl.startswith("leansft"):
+        set_attention(model, "sdpa")
+    try:
+        yield
+    finally:
+        set_attention(model, impl)
+        model.train(was_training)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, template: ChatTemplate, prompts: list, *, max_new_tokens: int = 64,
+             temperature: float = 0.7, top_p: float = 0.9, seed: int = 0) -> list[str]:
+    """Answer each prompt: a user string, a message list, or already rendered prompt token ids (ending in
+    the generation prompt). Sampling is reproducible for a seed."""
+    device = next(model.parameters()).device
+    stops = stop_token_ids(tokenizer, template)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    out = []
+    with generation_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i, prompt in enumerate(prompts):
+            torch.manual_seed(seed + i)
+            if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                ids = tokenizer.apply_chat_template(messages, chat_template=template.source,
+                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+            else:
+                ids = [int(t) for t in prompt]
+            input_ids = torch.tensor([list(ids)], device=device)
+            gen = model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+                top_p=top_p if temperature > 0 else None, eos_token_id=stops, pad_token_id=pad,
+            )
+            new = gen[0, input_ids.shape[1]:].tolist()
+            while new and new[-1] in stops:
+                new.pop()
+            out.append(tokenizer.decode(new, skip_special_tokens=False))
+    return out

@@ -1,0 +1,118 @@
+"""Response-only cross-entropy from hidden states, chunked so the full logits never exist.
+
+``chunked_loss`` returns ``(sum of token losses, number of target tokens)``; averaging happens in
+one place only, the training step, over all micro-batches and ranks (``normalise``).
+
+The gradient is computed inside the chunk loop of the forward pass (as fused-linear-CE kernels do):
+for each chunk, logits -> softmax - one-hot -> grad of hidden states and accumulated grad of the
+lm_head weight; the chunk's logits are then freed. Backward only scales the stored gradients. Peak
+extra memory is one chunk's fp32 logits (plus the weight gradient that training needs anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leansft.core.data.masking import IGNORE_INDEX
+from leansft.core.errors import ConfigError
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int, softcap: float | None):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        w = weight
+        for s in range(0, hidden.shape[0], chunk_size):
+            h = hidden[s : s + chunk_size]
+            t = targets[s : s + chunk_size]
+            logits = (h @ w.t()).float()
+            if softcap is not None:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            lse = torch.logsumexp(logits, dim=-1)
+            rows = torch.arange(len(t), device=t.device)
+            total += (lse - logits[rows, t]).sum()  # before the buffer is reused below
+            if need_h or need_w:
+                g = logits.sub_(lse[:, None]).exp_()  # softmax in the logits' own buffer
+                g[rows, t] -= 1.0
+                if softcap is not None:
+                    g *= 1.0 - capped * capped
+                if need_h:
+                    grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
+                if need_w:
+                    grad_w.addmm_(g.t(), h.float())
+            del logits
+        ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
+        ctx.has = (need_h, need_w)
+        ctx.weight_dtype = weight.dtype
+        ctx.hidden_dtype = hidden.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = list(ctx.saved_tensors)
+        need_h, need_w = ctx.has
+        # In place: the stored gradients are used once (no double backward through this loss).
+        gh = saved.pop(0).mul_(grad_out.to(ctx.hidden_dtype)) if need_h else None
+        gw = saved.pop(0).mul_(grad_out).to(ctx.weight_dtype) if need_w else None
+        return gh, gw, None, None, None
+
+
+def select_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shift by one and keep only positions whose next-token label is set: ([N, H], [N])."""
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    t = labels[:, 1:].reshape(-1)
+    keep = t != IGNORE_INDEX
+    return h[keep], t[keep]
+
+
+def chunked_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, int]:
+    """(summed cross-entropy over target tokens, number of target tokens). ``labels`` are unshifted."""
+    h, t = select_targets(hidden, labels)
+    if t.numel() == 0:
+        return hidden.sum() * 0.0, 0
+    if not torch.is_grad_enabled():  # evaluation: no gradient buffers (the weight may still require grad)
+        h, weight = h.detach(), weight.detach()
+    return _ChunkedLinearCE.apply(h, weight, t, chunk_size, softcap), int(t.numel())
+
+
+def full_logits_loss(hidden, weight, labels, softcap: float | None = None) -> tuple[torch.Tensor, int]:
+    """Reference: the plain full-logits cross-entropy (what a model's own loss computes), summed."""
+    h, t = select_targets(hidden, labels)
+    logits = (h @ weight.t()).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return torch.nn.functional.cross_entropy(logits, t, reduction="sum"), int(t.numel())
+
+
+def liger_loss(hidden, weight, labels) -> tuple[torch.Tensor, int]:
+    """Liger Kernel's fused linear cross-entropy (CUDA), summed."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        raise ConfigError("training.loss_backend 'liger' needs the liger-kernel package (pip install liger-kernel)",
+                          field="training.loss_backend") from None
+    if not hidden.is_cuda:
+        raise ConfigError("training.loss_backend 'liger' runs on CUDA only", field="training.loss_backend")
+    h, t = select_targets(hidden, labels)
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, h, t), int(t.numel())
+
+
+def output_softcap(model) -> float | None:
+    """Final-logit soft-capping where a model config has it (Gemma 2)."""
+    return getattr(model.config, "final_logit_softcapping", None) or None
+
+
+def normalise(loss_sum: torch.Tensor, step_targets: int, world_size: int = 1) -> torch.Tensor:
+    """Scale a micro-batch's summed loss so that the step's gradient is the token mean over the whole step.
+
+    ``step_targets`` is the target-token count of the whole optimizer step (all micro-batches, all ranks).
+    DDP/FSDP average gradients over ranks; multiplying by ``world_size`` undoes that division.
+    """
+    return loss_sum * (world_size / max(step_targets, 1))

@@ -1,0 +1,97 @@
+"""Load model configs and models: a local folder, a config.json, a .gguf file, or a Hub id.
+
+A model read from GGUF is dequantised by transformers; it is converted once into a plain Hugging
+Face folder next to the cache (config without ``quantization_config``, safetensors weights), so later
+runs load it like any other local model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from leansft.core.errors import ModelError
+from leansft.core.paths import default_cache_dir, resolve_package_path
+
+log = logging.getLogger("leansft")
+
+
+def load_model_config(spec: str):
+    """A transformers config; wraps every failure in a ``ModelError`` naming ``spec``."""
+    path = Path(spec)
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        if path.is_file():
+            return AutoConfig.from_pretrained(str(path))
+        return AutoConfig.from_pretrained(spec, local_files_only=path.exists())
+    except Exception as err:
+        raise ModelError(f"cannot load model config: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
+
+
+def gguf_to_hf(gguf: Path, cache_dir: Path) -> Path:
+    """Convert a .gguf model once into a Hugging Face folder under ``cache_dir``; return the folder."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir / "models" / f"{gguf.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    log.info("converting %s to a Hugging Face folder (once): %s", gguf, out)
+    with torch.random.fork_rng():  # building the model draws random init; keep the caller's RNG untouched
+        return _convert_gguf(gguf, out)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> Path:
+    try:
+        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as err:
+        raise ModelError(f"cannot read GGUF model: {type(err).__name__}: {str(err)[:300]}", file=str(gguf)) from None
+    cfg = src.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def resolve_model_path(spec: str, cache_dir: Path) -> str:
+    """A loadable model location: ``pkg:`` resolved, a .gguf converted once into a cached HF folder."""
+    spec = resolve_package_path(spec)
+    path = Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(gguf_to_hf(path, cache_dir))
+    return spec
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None):
+    """A causal LM in ``dtype``; any failure becomes a ``ModelError`` naming ``spec``."""
+
+    spec = resolve_model_path(spec, Path(cache_dir or default_cache_dir()))
+    path = Path(spec)
+    try:
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=path.exists())
+    except Exception as err:
+        where = "local model" if path.exists() else "model (no local path of that name; tried the Hub)"
+        raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
+
+
+def apply_lora(model, lora_cfg):
+    """Wrap ``model`` with peft LoRA adapters; only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                     target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -1,0 +1,87 @@
+"""The training order: per epoch a seeded plan, its rows shuffled, grouped into micro-batches.
+
+Everything is a function of (seed, epoch), so a data position is just (epoch, micro-batch index)
+and a resumed run regenerates exactly the same sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from leansft.core.collate import PackedBatch, PaddedBatch, collate_padded, collate_rows, micro_batches
+from leansft.core.config import BatchingConfig
+from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.packing import PACKED, PackPlan, deal_to_ranks, pack
+
+
+@dataclass
+class Position:
+    epoch: int = 0
+    index: int = 0  # next micro-batch within the epoch
+
+
+class Batcher:
+    def __init__(self, data: TokenizedDataset, cfg: BatchingConfig, max_length: int, pad_id: int, seed: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.data, self.cfg, self.max_length, self.pad_id, self.seed = data, cfg, max_length, pad_id, seed
+        self.rank, self.world_size = rank, world_size
+        self._epoch_cache: tuple[int, PackPlan, list[np.ndarray]] | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.cfg.strategy in PACKED
+
+    def epoch_plan(self, epoch: int) -> tuple[PackPlan, list[np.ndarray]]:
+        """All micro-batches (arrays of plan rows) of ``epoch``, in training order, for every rank."""
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1], self._epoch_cache[2]
+        seed = self.seed + 1000 * epoch
+        plan = pack(self.cfg.strategy, self.data.lengths, self.max_length, batch_size=self.cfg.batch_size,
+                    window=self.cfg.window, seed=seed)
+        order = np.random.default_rng(seed).permutation(plan.num_rows)
+        if self.packed:
+            groups = micro_batches(plan, self.cfg.tokens_per_micro_batch, order)
+        else:
+            groups = [np.asarray([r]) for r in order]
+        self._epoch_cache = (epoch, plan, groups)
+        return plan, groups
+
+    def micro_batches_per_epoch(self) -> int:
+        """Micro-batches per epoch for one rank."""
+        return len(self.epoch_plan(0)[1]) // self.world_size
+
+    def _mine(self, plan: PackPlan, step_groups: list[np.ndarray]) -> list[np.ndarray]:
+        """This rank's share of one global step: ``accumulation`` micro-batches, dealt by tokens.
+
+        A global step is the same ``world_size x accumulation`` micro-batches whatever the world size,
+        so 2 ranks x accumulation 1 see exactly the rows of 1 rank x accumulation 2.
+        """
+        if self.world_size == 1:
+            return step_groups
+        tokens = np.array([int(plan.row_tokens[g].sum()) for g in step_groups])
+        return [step_groups[i] for i in sorted(deal_to_ranks(tokens, self.world_size)[self.rank])]
+
+    def collate(self, plan: PackPlan, rows: np.ndarray) -> PackedBatch | PaddedBatch:
+        if self.packed:
+            return collate_rows(self.data, plan, rows)
+        (row,) = rows
+        return collate_padded(self.data, plan.row(int(row))[0], self.pad_id, self.max_length)
+
+    def steps(self, pos: Position, accumulation: int) -> Iterator[tuple[list[PackedBatch | PaddedBatch], Position]]:
+        """Yield (this rank's micro-batches of one optimizer step, position after it) forever, across epochs.
+
+        ``index`` counts global micro-batches; an incomplete last step of an epoch is dropped, so every
+        step is full and every rank runs the same number of steps (no hang at an epoch's end)."""
+        per_step = accumulation * self.world_size
+        epoch, index = pos.epoch, pos.index
+        while True:
+            plan, groups = self.epoch_plan(epoch)
+            if index + per_step > len(groups):
+                epoch, index = epoch + 1, 0
+                continue
+            mine = self._mine(plan, groups[index : index + per_step])
+            index += per_step
+            yield [self.collate(plan, g) for g in mine], Position(epoch, index)

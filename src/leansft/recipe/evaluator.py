@@ -1,0 +1,103 @@
+"""What the training loop asks of evaluation: eval loss and samples when due (at step 0 too, the
+"before" picture), best tracking and early stopping."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from rich.console import Console
+
+from leansft.core import parallel
+from leansft.core.evaluation import evaluate
+from leansft.core.generation import generate
+
+log = logging.getLogger("leansft")
+
+
+def due(every: int | None, step: int, total: int) -> bool:
+    """Every ``every`` steps, and at the first and last step."""
+    return bool(every) and (step % every == 0 or step in (0, total))
+
+
+class Evaluator:
+    def __init__(self, cfg, model, prep, device, amp, out: Path, sharded=None) -> None:
+        self.cfg, self.model, self.prep, self.device, self.amp, self.out = cfg, model, prep, device, amp, out
+        self.sharded = sharded  # the FSDP root: eval goes through it; samples are skipped
+        self.last_eval_loss: float | None = None
+        self.best: float | None = None
+        self.bad_evals = 0
+        self.should_stop = False
+        self.console = Console()
+
+    def prompts(self) -> list:
+        e = self.cfg.eval
+        if e.prompts:
+            return list(e.prompts)
+        if self.prep.eval is None or e.num_samples == 0:
+            return []
+        n = min(e.num_samples, len(self.prep.eval))
+        prompt_lengths = self.prep.eval.prompt_lengths
+        # rendered prompts, each ending in the generation prompt
+        return [self.prep.eval.example(i)[0][: prompt_lengths[i]].tolist() for i in range(n)]
+
+    def run_eval(self) -> dict:
+        return evaluate(self.model, self.prep.eval, self.cfg.data.max_length,
+                        self.cfg.batching.tokens_per_micro_batch, self.cfg.training.loss_chunk_size, self.device,
+                        self.amp, self.sharded)
+
+    def after_step(self, step: int, total: int) -> dict | None:
+        """Run what is due at ``step`` (0 = before training): samples are written, eval fields returned."""
+        result = self.maybe_eval(step, total)
+        self.maybe_sample(step, total)
+        return result
+
+    def maybe_eval(self, step: int, total: int) -> dict | None:
+        if self.prep.eval is None or not due(self.cfg.eval.eval_every, step, total):
+            return None
+        result = self.run_eval()
+        self.last_eval_loss = result["eval_loss"]
+        if self.best is None or result["eval_loss"] < self.best:
+            self.best, self.bad_evals = result["eval_loss"], 0
+        else:
+            self.bad_evals += 1
+            patience = self.cfg.eval.early_stopping_patience
+            self.should_stop = bool(patience and self.bad_evals >= patience)
+        return result
+
+    def maybe_sample(self, step: int, total: int) -> list[str] | None:
+        if not due(self.cfg.eval.samples_every, step, total):
+            return None
+        prompts = self.prompts()
+        if not prompts:
+            return None
+        if self.sharded is not None:
+            if step == 0:
+                log.warning("samples are not generated under FSDP (sharded weights); export and use leansft generate")
+            return None
+        e = self.cfg.eval
+        answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
+                           max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+                           seed=self.cfg.training.seed)
+        if parallel.rank() == 0:
+            with (self.out / "samples.jsonl").open("a") as fh:
+                for p, a in zip(prompts, answers):
+                    text = p if isinstance(p, str) else self.prep.tokenizer.decode(p) if not isinstance(p[0], dict) \
+                        else p[-1]["content"]
+                    fh.write(json.dumps({"step": step, "prompt": text, "answer": a}) + "\n")
+                    self.console.print(f"[dim]step {step} sample:[/] {text[-160:].strip()!r}\n  [bold]-> {a!r}[/]")
+        return answers
+
+    def print_record(self, r: dict) -> None:
+        parts = [f"step {r['step']}"]
+        if "loss" in r:
+            parts += [f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.2f}",
+                      f"{r['real_tokens_per_s']:,.0f} tok/s", f"pad {r['padding_share']:.1%}"]
+            if r.get("mfu") is not None:
+                parts.append(f"mfu {r['mfu']:.1%}")
+        if "eval_loss" in r:
+            parts += [f"eval_loss {r['eval_loss']:.4f}", f"ppl {r['eval_perplexity']:.2f}"]
+            if r.get("eval_token_accuracy") is not None:
+                parts.append(f"acc {r['eval_token_accuracy']:.1%}")
+        self.console.print("  ".join(parts))

@@ -1,0 +1,32 @@
+"""SIGINT/SIGTERM ask for a clean stop: the current step finishes, a checkpoint is saved."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+log = logging.getLogger("leansft")
+
+
+class StopFlag:
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict = {}
+
+    def __enter__(self) -> StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # second signal: give up at once
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("signal %s: finishing this step, saving a checkpoint, then stopping", signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)

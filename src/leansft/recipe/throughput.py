@@ -1,0 +1,73 @@
+"""Honest throughput: the step's global token counts and a window that turns them into rates.
+
+Counts are summed over ranks (one all-reduce per step, before the forward, since they are known from
+the batches alone), so tokens/s, padding share and MFU are the whole job's, not one rank's times the
+world size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from leansft.core import parallel
+from leansft.core.flops import attended_squares, device_peak_flops, flop_params, peak_memory_bytes, step_flops
+
+
+@dataclass
+class StepCounts:
+    """One optimizer step over all ranks."""
+
+    targets: int = 0  # tokens that carry loss (the normaliser)
+    real: int = 0  # real tokens computed
+    slots: int = 0  # tensor slots computed (real + padding)
+    examples: int = 0  # examples begun (a split example counts once)
+    flops: float = 0.0
+
+    def __iadd__(self, other: StepCounts) -> StepCounts:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        return self
+
+
+class ThroughputWindow:
+    """Counts steps since the last log line; ``record()`` returns the rates and starts a new window."""
+
+    def __init__(self, model, device: torch.device, peak_flops: float | None, world: int) -> None:
+        self.device, self.world = device, world
+        self.body_params, self.head_params = flop_params(model)
+        self.layers, self.hidden = model.config.num_hidden_layers, model.config.hidden_size
+        self.peak = device_peak_flops(device, peak_flops)
+        self._reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _reset(self) -> None:
+        self.t0, self.counts = time.perf_counter(), StepCounts()
+
+    def count(self, batches) -> StepCounts:
+        """Global counts of one step (this rank's micro-batches, summed over ranks); added to the window."""
+        local = [0, 0, 0, 0, 0.0]
+        for b in batches:
+            local[0] += b.target_tokens
+            local[1] += b.real_tokens
+            local[2] += int(b.input_ids.numel())
+            local[3] += b.examples_begun
+            local[4] += step_flops(self.body_params, self.layers, self.hidden, b.real_tokens, attended_squares(b),
+                                   self.head_params, b.target_tokens)
+        total = parallel.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device), self.device)
+        t, r, s, e, f = total.tolist()
+        step = StepCounts(int(t), int(r), int(s), int(e), f)
+        self.counts += step
+        return step
+
+    def record(self) -> dict:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        c = self.counts
+        out = {"real_tokens_per_s": c.real / dt, "target_tokens_per_s": c.targets / dt,
+               "padding_share": 1.0 - c.real / max(c.slots, 1), "peak_memory_bytes": peak_memory_bytes(self.device),
+               "mfu": c.flops / dt / (self.peak * self.world) if self.peak else None}
+        self._reset()
+        return out

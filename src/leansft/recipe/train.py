@@ -1,0 +1,193 @@
+"""The training recipe: builders first, then a plain loop of ``train_step`` calls.
+
+    data -> model (+LoRA) -> AdamW + schedule -> for each step: micro-batches, token-weighted loss,
+    clip, step -> metrics / eval / samples / checkpoints -> export
+
+The checkpointer, the evaluator and the throughput window each decide "now?" themselves, so the loop
+only says what happens in which order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from leansft.core import parallel
+from leansft.core.config import SPLITTING_STRATEGIES, RunConfig
+from leansft.core.data.prepare import PreparedData, prepare_data
+from leansft.core.data.tokenizer import pad_id
+from leansft.core.errors import LeanSFTError
+from leansft.core.export import export, full_state_dict
+from leansft.core.forward import LossModule
+from leansft.core.loss import normalise
+from leansft.core.models import trainable_parameters
+from leansft.recipe.batches import Batcher
+from leansft.recipe.builders import (
+    autocast_dtype,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    count_steps,
+    model_location,
+    pick_device,
+    seed_everything,
+)
+from leansft.recipe.checkpointer import Checkpointer
+from leansft.recipe.evaluator import Evaluator
+from leansft.recipe.metrics_log import MetricsLog
+from leansft.recipe.progress import ProgressBar
+from leansft.recipe.signals import StopFlag
+from leansft.recipe.throughput import ThroughputWindow
+
+log = logging.getLogger("leansft")
+
+
+@dataclass
+class Engine:
+    """What one optimizer step needs: the (wrapped) loss module, optimizer, schedule and precision."""
+
+    loss_module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    params: list[torch.nn.Parameter]
+    device: torch.device
+    amp: torch.dtype | None
+    max_grad_norm: float | None
+    offload: contextlib.AbstractContextManager
+    world: int
+
+
+def train_step(engine: Engine, batches: list, step_targets: int, step: int) -> tuple[float, float, float]:
+    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, lr).
+
+    Each micro-batch's summed loss is divided by the step's global target count before backward, so
+    the gradient is the token mean over the whole step, whatever the accumulation or world size."""
+    e = engine
+    loss_total = torch.zeros((), device=e.device)
+    for i, b in enumerate(batches):
+        sync = parallel.no_sync(e.loss_module) if i < len(batches) - 1 else contextlib.nullcontext()
+        with sync, e.offload, torch.autocast(e.device.type, dtype=e.amp, enabled=e.amp is not None):
+            loss_sum = e.loss_module(b.to(e.device))
+            normalise(loss_sum, step_targets, e.world).backward()
+        loss_total += loss_sum.detach()
+    loss = float(parallel.all_reduce_sum(loss_total, e.device)) / max(step_targets, 1)
+    if not math.isfinite(loss):
+        raise LeanSFTError(f"loss is {loss} at step {step}; stopping",
+                           hint="lower the learning rate, check the data of this step, or use fp32")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(e.params, e.max_grad_norm or float("inf")))
+    lr = e.scheduler.get_last_lr()[0]
+    e.optimizer.step()
+    e.scheduler.step()
+    e.optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, lr
+
+
+def train(cfg: RunConfig, resume: str | None = None) -> dict:
+    """Run training as configured; returns the last logged record."""
+    parallel.init()
+    rank, world, device, out = parallel.rank(), parallel.world_size(), pick_device(), Path(cfg.output_dir)
+    seed_everything(cfg.training.seed)
+    model_path = model_location(cfg)
+    data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,
+                        truncate=cfg.batching.strategy not in SPLITTING_STRATEGIES)
+    batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), cfg.training.seed,
+                      rank, world)
+    total_steps = count_steps(cfg, batcher)
+    seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
+    model, backend = build_model(cfg, device, batcher.packed, model_path)
+    amp = autocast_dtype(cfg.training.precision, device)
+    loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend),
+                                cfg.distributed.strategy, device, mixed_precision=amp is not None)
+    sharded = loss_module if world > 1 and cfg.distributed.strategy == "fsdp" else None
+    optimizer = build_optimizer(cfg, model, device)
+    engine = Engine(loss_module, optimizer, build_scheduler(cfg, optimizer, total_steps),
+                    [p for _, p in trainable_parameters(model)], device, amp, cfg.training.max_grad_norm,
+                    torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+                    if cfg.training.activation_offloading else contextlib.nullcontext(), world)
+    checkpointer = Checkpointer(cfg, out, model, optimizer, engine.scheduler, sharded)
+    state = checkpointer.start(resume)
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
+    start_run_folder(cfg, out, data, state.step, metrics)
+    evaluator = Evaluator(cfg, model, data, device, amp, out, sharded)
+    window = ThroughputWindow(model, device, cfg.logging.peak_flops, world)
+    log.info("training %d steps, %s attention, %s, %s, %d trainable params", total_steps, backend,
+             "bf16 autocast" if amp else "fp32", cfg.training.method, sum(p.numel() for p in engine.params))
+    last = log_record(metrics, evaluator, None, 0, evaluator.after_step(0, total_steps) if state.step == 0 else None)
+    steps = batcher.steps(state.position, cfg.batching.gradient_accumulation)
+    with StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) as progress:
+        while state.step < total_steps:
+            batches, position = next(steps)
+            counts = window.count(batches)
+            loss, grad_norm, lr = train_step(engine, batches, counts.targets, state.step + 1)
+            state.advance(position, counts)
+            progress.update(state.step, loss, lr, counts.real)
+            record = None
+            if state.step % cfg.logging.log_every == 0 or state.step == total_steps:
+                record = {"step": state.step, "epoch": position.epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                          **window.record(), "tokens_seen": state.tokens_seen, "examples_seen": state.examples_seen}
+            last = log_record(metrics, evaluator, record, state.step, evaluator.after_step(state.step, total_steps)) \
+                or last
+            done = stop.requested or evaluator.should_stop or state.step == total_steps
+            if checkpointer.should_save(state.step, done):
+                checkpointer.save(state, evaluator.last_eval_loss)
+            if stop.requested or evaluator.should_stop:
+                log.warning("stopping at step %d (%s)", state.step, "signal" if stop.requested else "early stopping")
+                break
+    if cfg.checkpoint.export and not stop.requested:
+        export_final(cfg, model, loss_module, sharded, data, out, model_path)
+    parallel.barrier()
+    return last
+
+
+def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int, metrics: MetricsLog) -> None:
+    """Rank 0 writes the resolved config and data report; logs restart with a fresh run or resume at ``step``."""
+    if parallel.rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        (out / "data_report.json").write_text(json.dumps(data.report.as_dict(), indent=1))
+        if step == 0:
+            for stale in ("metrics.jsonl", "samples.jsonl"):
+                (out / stale).unlink(missing_ok=True)
+        metrics.truncate_after(step)
+    parallel.barrier()
+
+
+def log_record(metrics: MetricsLog, evaluator: Evaluator, record: dict | None, step: int,
+               eval_result: dict | None = None) -> dict | None:
+    """Merge a step's training and eval fields, append them to metrics.jsonl and print them (rank 0)."""
+    if eval_result:
+        record = {**(record or {"step": step}), **eval_result}
+    if record is None:
+        return None
+    metrics.write(record)
+    if parallel.rank() == 0:
+        evaluator.print_record(record)
+    return record
+
+
+def export_final(cfg: RunConfig, model, loss_module, sharded, data: PreparedData, out: Path, model_path: str) -> None:
+    """A plain Hugging Face folder at OUTPUT_DIR/final (FSDP: shards gathered into a copy on rank 0)."""
+    plain = model
+    if sharded is not None:
+        full = full_state_dict(loss_module)  # a collective: every rank
+        if parallel.rank() == 0:
+            plain, _ = build_model(cfg, torch.device("cpu"), True, model_path)
+            plain.load_state_dict(full)
+    if parallel.rank() == 0:
+        export(plain, data.tokenizer, data.template, out / "final", cfg)
+        log.info("exported %s", out / "final")
+
+
+def main_train(cfg: RunConfig, resume: str | None) -> int:
+    try:
+        train(cfg, resume)
+    finally:
+        parallel.shutdown()
+    return 0

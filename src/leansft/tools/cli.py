@@ -1,0 +1,342 @@
+"""Command line: parse, build a config, call one function per command. Errors print without a traceback.
+
+Argument defaults and choices are read from the config models (``leansft.core.config``), so every
+default has one home.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import get_args
+
+import numpy as np
+import torch
+from rich.logging import RichHandler
+from transformers.utils import logging as hf_logging
+
+from leansft.core.attention import VARLEN, use_packed_attention
+from leansft.core.config import (
+    BatchingConfig,
+    DataConfig,
+    EvalConfig,
+    LossOn,
+    Method,
+    SourceConfig,
+    TrainingConfig,
+    load_config,
+)
+from leansft.core.data.masking import resolve_template
+from leansft.core.data.prepare import prepare_data
+from leansft.core.data.tokenizer import load_tokenizer
+from leansft.core.errors import LeanSFTError
+from leansft.core.evaluation import evaluate
+from leansft.core.generation import generate
+from leansft.core.models import load_model, load_model_config
+from leansft.recipe.train import main_train
+from leansft.tools.doctor import run_doctor
+from leansft.tools.memory import ModelShape, estimate_memory
+from leansft.tools.plan_report import plot_lengths, print_plan
+from leansft.tools.run_report import write_report
+from leansft.tools.show_mask import print_examples
+from leansft.tools.stats import lognormal_lengths, plan_summary
+
+
+def default(model, name: str):
+    """A config model field's default: the CLI's default for the same setting."""
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(show_time=False, show_path=False)])
+    logging.getLogger("leansft").setLevel(logging.INFO)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hf_logging.disable_progress_bar()
+    for noisy in ("transformers", "datasets", "httpx", "huggingface_hub", "peft"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+# -- data commands: plan, show-mask, eval ------------------------------------------------------------
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, action="append", help="data file, dataset folder or Hub name (repeatable)")
+    p.add_argument("--format", default=default(SourceConfig, "format"),
+                   choices=get_args(SourceConfig.model_fields["format"].annotation))
+    p.add_argument("--template", default=default(DataConfig, "template"),
+                   help="auto (tokenizer's own), chatml, llama3, qwen2.5, mistral, gemma, or a .jinja file")
+    p.add_argument("--loss-on", default=default(DataConfig, "loss_on"), choices=get_args(LossOn))
+    p.add_argument("--cache-dir", default=default(DataConfig, "cache_dir"))
+
+
+def _data_config(args, max_length: int | None = None) -> DataConfig:
+    kw = dict(sources=[{"path": d, "format": args.format} for d in args.data], template=args.template,
+              loss_on=args.loss_on, cache_dir=args.cache_dir)
+    if max_length is not None:
+        kw["max_length"] = max_length
+    try:
+        return DataConfig(**kw)
+    except Exception as err:
+        raise LeanSFTError(f"invalid arguments: {err}") from None
+
+
+def _prepared(args, max_length: int | None = None, truncate: bool = False):
+    return prepare_data(_data_config(args, max_length), args.tokenizer, truncate=truncate, holdout=False)
+
+
+def cmd_plan(args) -> int:
+    prep = _prepared(args)  # whole examples: the plan is about what max_length would do
+    data = prep.train
+    max_length = args.max_length
+    if max_length is not None:
+        longest_prompt = int(data.prompt_lengths.max())
+        if max_length <= longest_prompt:
+            raise LeanSFTError(
+                f"--max-length {max_length} is not longer than the longest prompt ({longest_prompt} tokens): "
+                "that example would keep no response token", field="max_length",
+            )
+    summary = plan_summary(data.lengths, data.target_counts, max_length or default(DataConfig, "max_length"),
+                           args.batch_size, args.window, args.seed)
+    summary["preparation"] = prep.report.as_dict()
+    if args.model:
+        summary["memory"] = _memory(args, args.tokens_per_micro_batch or summary["max_length"])
+    print_plan(summary)
+    if args.plot:
+        plot_lengths(np.asarray(data.lengths), args.plot, summary["max_length"])
+        print(f"wrote {args.plot}")
+    _write_json(args.json, summary)
+    return 0
+
+
+def _memory(args, tokens: int) -> dict:
+    shape = ModelShape.from_config(load_model_config(args.model))
+    mem = estimate_memory(shape, tokens, method=args.method, precision=args.precision,
+                          gradient_checkpointing=args.gradient_checkpointing)
+    mem.update(method=args.method, precision=args.precision)
+    return mem
+
+
+def cmd_simulate(args) -> int:
+    lengths = lognormal_lengths(args.examples, args.median, args.sigma, args.cap, args.seed)
+    summary = plan_summary(lengths, None, args.max_length, args.batch_size, args.window, args.seed)
+    print_plan(summary)
+    _write_json(args.json, summary)
+    return 0
+
+
+def cmd_show_mask(args) -> int:
+    prep = _prepared(args)
+    out = print_examples(prep.tokenizer, prep.train, args.n)
+    _write_json(args.json, out, indent=None)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    model = _load_model(args.model)
+    prep = prepare_data(_data_config(args, args.max_length), args.model, holdout=False)
+    use_packed_attention(model, VARLEN)
+    result = evaluate(model, prep.train, args.max_length, max(args.max_length, default(BatchingConfig,
+                                                                                         "tokens_per_micro_batch")))
+    print(f"eval loss {result['eval_loss']:.4f}  perplexity {result['eval_perplexity']:.3f}  "
+          f"token accuracy {result['eval_token_accuracy']:.2%}  over {result['eval_targets']:,} target tokens")
+    _write_json(args.json, result)
+    return 0
+
+
+def _write_json(path: str | None, obj, indent: int | None = 2) -> None:
+    if path:
+        Path(path).write_text(json.dumps(obj, indent=indent))
+        print(f"wrote {path}")
+
+
+# -- model commands: train, doctor, generate, chat, report, lm-eval ---------------------------------
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.doctor and run_doctor(cfg) != 0:
+        return 1
+    return main_train(cfg, args.resume)
+
+
+def cmd_doctor(args) -> int:
+    return run_doctor(load_config(args.config, args.overrides), json_out=args.json)
+
+
+def _load_model(spec: str):
+    return load_model(spec, torch.float32)
+
+
+def _inference(args):
+    tok = load_tokenizer(args.model)
+    return _load_model(args.model), tok, resolve_template(tok, args.template)
+
+
+def _sampling(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    model, tok, template = _inference(args)
+    for prompt in args.prompt:
+        (answer,) = generate(model, tok, template, [prompt], **_sampling(args))
+        print(answer)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    model, tok, template = _inference(args)
+    history: list[dict] = []
+    print("leansft chat: empty line or Ctrl-D to quit")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        (answer,) = generate(model, tok, template, [history], **_sampling(args))
+        history.append({"role": "assistant", "content": answer})
+        print(f"model> {answer}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    for path in write_report(Path(args.run_dir)):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_lm_eval(args) -> int:
+    """Optional: lm-evaluation-harness on an exported model folder, when the lm-eval package is installed."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise LeanSFTError("leansft lm-eval needs the lm-eval package (pip install lm-eval)") from None
+    results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={args.model}", tasks=args.tasks.split(","),
+                                      limit=args.limit, apply_chat_template=True)
+    print(json.dumps(results.get("results", {}), indent=2))
+    _write_json(args.json, results.get("results", {}))
+    return 0
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="an exported model folder (OUTPUT_DIR/final) or any HF model folder")
+    p.add_argument("--template", default=default(DataConfig, "template"))
+    p.add_argument("--max-new-tokens", type=_positive, default=default(EvalConfig, "max_new_tokens"))
+    p.add_argument("--temperature", type=float, default=default(EvalConfig, "temperature"))
+    p.add_argument("--top-p", type=float, default=default(EvalConfig, "top_p"))
+    p.add_argument("--seed", type=int, default=default(TrainingConfig, "seed"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="leansft", description="Supervised fine-tuning of causal LMs, done right.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+    batch_size, window = default(BatchingConfig, "batch_size"), default(BatchingConfig, "window")
+
+    sp = sub.add_parser("plan", help="length statistics, batching simulation and memory estimate for real data")
+    _add_data_args(sp)
+    sp.add_argument("--tokenizer", required=True, help="tokenizer folder, tokenizer.json, .gguf, pkg: path or Hub id")
+    sp.add_argument("--max-length", type=_positive, default=None, help="default: recommended from the data")
+    sp.add_argument("--batch-size", type=_positive, default=batch_size)
+    sp.add_argument("--window", type=_positive, default=window)
+    sp.add_argument("--seed", type=int, default=default(TrainingConfig, "seed"))
+    sp.add_argument("--model", default=None, help="model folder, config.json or .gguf, for the memory estimate")
+    sp.add_argument("--method", default=default(TrainingConfig, "method"), choices=get_args(Method))
+    sp.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    sp.add_argument("--gradient-checkpointing", action="store_true")
+    sp.add_argument("--tokens-per-micro-batch", type=_positive, default=None)
+    sp.add_argument("--json", default=None)
+    sp.add_argument("--plot", default=None)
+    sp.set_defaults(func=cmd_plan)
+
+    ss = sub.add_parser("simulate", help="the plan's batching simulation on synthetic lognormal lengths")
+    ss.add_argument("--examples", type=_positive, default=20000)
+    ss.add_argument("--median", type=float, default=450)
+    ss.add_argument("--sigma", type=float, default=0.9)
+    ss.add_argument("--cap", type=_positive, default=4096)
+    ss.add_argument("--max-length", type=_positive, default=4096)
+    ss.add_argument("--batch-size", type=_positive, default=batch_size)
+    ss.add_argument("--window", type=_positive, default=window)
+    ss.add_argument("--seed", type=int, default=0)
+    ss.add_argument("--json", default=None)
+    ss.set_defaults(func=cmd_simulate)
+
+    sm = sub.add_parser("show-mask", help="print examples with the tokens that carry loss highlighted")
+    _add_data_args(sm)
+    sm.add_argument("--tokenizer", required=True, help="tokenizer folder, tokenizer.json, .gguf, pkg: path or Hub id")
+    sm.add_argument("-n", type=_positive, default=3)
+    sm.add_argument("--json", default=None)
+    sm.set_defaults(func=cmd_show_mask)
+
+    t = sub.add_parser("train", help="train as a YAML config says; key=value overrides (training.max_steps=20)")
+    t.add_argument("config")
+    t.add_argument("overrides", nargs="*", help="dotted key=value, e.g. training.learning_rate=1e-4")
+    t.add_argument("--resume", nargs="?", const="auto", default=None, help="checkpoint folder, or auto (latest)")
+    t.add_argument("--doctor", action="store_true", help="run `leansft doctor` first; stop on FAIL")
+    t.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("doctor", help="pre-flight correctness checks on the real model and data")
+    d.add_argument("config")
+    d.add_argument("overrides", nargs="*")
+    d.add_argument("--json", default=None)
+    d.set_defaults(func=cmd_doctor)
+
+    e = sub.add_parser("eval", help="held-out loss, perplexity and token accuracy of a model on a data file")
+    e.add_argument("model")
+    _add_data_args(e)
+    e.add_argument("--max-length", type=_positive, default=default(DataConfig, "max_length"))
+    e.add_argument("--json", default=None)
+    e.set_defaults(func=cmd_eval)
+
+    g = sub.add_parser("generate", help="answer prompts with the model's chat template")
+    _add_generation_args(g)
+    g.add_argument("--prompt", required=True, action="append")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with a model")
+    _add_generation_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    r = sub.add_parser("report", help="plots and a one-page summary of a run folder")
+    r.add_argument("run_dir")
+    r.set_defaults(func=cmd_report)
+
+    le = sub.add_parser("lm-eval", help="optional: run lm-evaluation-harness on an exported model (needs lm-eval)")
+    le.add_argument("model")
+    le.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    le.add_argument("--limit", type=int, default=None)
+    le.add_argument("--json", default=None)
+    le.set_defaults(func=cmd_lm_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except LeanSFTError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""`leansft doctor CONFIG`: pre-flight correctness checks on the run's real model, tokenizer and data.
+
+Every classic SFT bug is silent; each check here prints PASS/WARN/FAIL with numbers and, on failure,
+a fix. The checks run on a sample of the real data with the attention backend the run will use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from leansft.core.attention import packed_forward, use_packed_attention
+from leansft.core.collate import collate_packed
+from leansft.core.config import RunConfig
+from leansft.core.data.prepare import prepare_data
+from leansft.core.data.tokenizer import pad_id
+from leansft.core.errors import DataError, LeanSFTError, TemplateError
+from leansft.core.flops import attended_squares, device_peak_flops, flop_params, step_flops
+from leansft.core.forward import LossModule
+from leansft.core.generation import stop_token_ids
+from leansft.core.loss import normalise
+from leansft.core.memtrack import TensorMemoryTracker
+from leansft.recipe.batches import Batcher
+from leansft.recipe.builders import autocast_dtype, build_model, model_location, pick_device, seed_everything
+from leansft.tools.memory import ModelShape, estimate_memory
+
+SAMPLE = 64
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # PASS | WARN | FAIL
+    message: str
+    numbers: dict = field(default_factory=dict)
+    fix: str | None = None
+
+
+def _spans(labels: np.ndarray) -> list[tuple[int, int]]:
+    on = np.r_[False, labels != -100, False].astype(np.int8)
+    d = np.diff(on)
+    return list(zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1)))
+
+
+def check_template(tok, template, data, report: dict) -> Check:
+
+    stops = set(stop_token_ids(tok, template))
+    n_spans = ended = 0
+    zero = int(report.get("no_target_tokens", 0))
+    for i in range(min(len(data), 4 * SAMPLE)):
+        ids, labels = data.example(i)
+        for a, b in _spans(np.asarray(labels)):
+            n_spans += 1
+            ended += int(ids[b - 1]) in stops
+    numbers = {"assistant_spans": n_spans, "spans_ending_with_end_of_turn": ended,
+               "examples_with_zero_targets": zero, "pad_is_eos": tok.pad_token_id == tok.eos_token_id,
+               "end_of_turn_ids": sorted(stops)}
+    if n_spans == 0:
+        return Check("template", "FAIL", "no token carries loss in the sample", numbers,
+                     "check loss_on and that the data has assistant turns")
+    if ended < n_spans:
+        hint = " (pad token == eos: a collator that masks pad ids masks the end-of-turn token too)" \
+            if numbers["pad_is_eos"] else ""
+        return Check("template", "FAIL", f"{n_spans - ended} of {n_spans} assistant spans end without their "
+                     f"end-of-turn token carrying loss{hint}", numbers,
+                     "build labels from the template's assistant spans, not from token ids; the model must learn "
+                     "to stop")
+    status = "WARN" if zero else "PASS"
+    return Check("template", status, f"{n_spans} assistant spans found, each ends with its end-of-turn token; "
+                 f"{zero} examples had zero target tokens (dropped)", numbers)
+
+
+def check_isolation(model, data, device) -> Check:
+
+    lengths = data.lengths
+    a, b = 0, 1 if len(data) > 1 else 0
+    ex = np.array([a, b])
+    starts = np.zeros(2, np.int64)
+    with torch.no_grad():
+        try:
+            pb = collate_packed(data, ex, starts, lengths[ex]).to(device)
+            h_pack = packed_forward(model, pb)[0, lengths[a]:]
+            alone = collate_packed(data, ex[1:], starts[1:], lengths[ex[1:]]).to(device)
+            h_alone = packed_forward(model, alone)[0]
+            changed = collate_packed(data, ex, starts, lengths[ex])
+            g = torch.Generator().manual_seed(0)
+            n_a = int(lengths[a])
+            changed.input_ids[0, :n_a] = torch.randint(0, model.config.vocab_size, (n_a,), generator=g)
+            h_changed = packed_forward(model, changed.to(device))[0, lengths[a]:]
+        except LeanSFTError as err:
+            return Check("isolation", "FAIL", str(err), {}, "use the varlen attention backend leansft selects")
+    w = model.get_output_embeddings().weight.detach()
+    diff_alone = float(((h_pack - h_alone) @ w.t()).abs().max())
+    diff_changed = float((h_pack - h_changed).abs().max())
+    tol = 1e-3 if h_pack.dtype == torch.float32 else 5e-2
+    numbers = {"backend": model.config._attn_implementation, "max_logit_diff_packed_vs_alone": diff_alone,
+               "max_hidden_diff_when_first_example_changes": diff_changed}
+    if diff_changed > 0 or diff_alone > tol:
+        return Check("isolation", "FAIL", "examples in a packed row influence each other", numbers,
+                     "the attention backend mixes examples; use leansft's varlen backend (attention: auto)")
+    return Check("isolation", "PASS", f"packed = alone within {diff_alone:.1e}; the other example changes nothing",
+                 numbers)
+
+
+def check_positions(batcher) -> Check:
+    plan, groups = batcher.epoch_plan(0)
+    batch = batcher.collate(plan, groups[0])
+    if not hasattr(batch, "cu_seqlens"):
+        return Check("positions", "PASS", "padded batches: positions are 0..L-1 per row", {})
+    cu = batch.cu_seqlens.long()
+    lens = torch.diff(cu)
+    expected = torch.cat([torch.arange(int(n)) for n in lens])
+    ok = torch.equal(batch.position_ids[0].cpu(), expected)
+    numbers = {"examples_in_batch": int(len(lens)), "tokens": int(cu[-1])}
+    if not ok:
+        return Check("positions", "FAIL", "position_ids do not restart at 0 for every packed example", numbers,
+                     "derive position_ids from cu_seqlens (leansft's collator does)")
+    return Check("positions", "PASS", f"position_ids restart at 0 for all {len(lens)} examples of a micro-batch",
+                 numbers)
+
+
+def check_truncation(full_lengths: np.ndarray, full_targets: np.ndarray, max_length: int) -> Check:
+    over = full_lengths > max_length
+    lost = float(np.minimum(full_targets, np.maximum(full_lengths - max_length, 0))[over].sum())
+    share_ex = float(over.mean()) if len(over) else 0.0
+    share_t = lost / max(float(full_targets.sum()), 1.0)
+    numbers = {"examples": int(len(over)), "truncated": int(over.sum()), "truncated_share": share_ex,
+               "target_tokens_lost_share": share_t, "max_length": max_length,
+               "p99_length": float(np.percentile(full_lengths, 99)) if len(full_lengths) else 0.0}
+    if share_ex > 0.25 or share_t > 0.10:
+        return Check("truncation", "FAIL", f"max_length {max_length} truncates {share_ex:.0%} of examples and "
+                     f"{share_t:.0%} of target tokens", numbers, "raise data.max_length (see `leansft plan`), or "
+                     "use truncation: drop / strategy bfd_split")
+    status = "WARN" if over.any() else "PASS"
+    return Check("truncation", status, f"{int(over.sum())} examples truncated ({share_t:.2%} of target tokens)",
+                 numbers)
+
+
+def check_normalisation(model, data, device) -> Check:
+
+    n = min(8, len(data))
+    ex = np.arange(n)
+    module = LossModule(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run(groups):
+        model.zero_grad(set_to_none=True)
+        batches = [collate_packed(data, g, np.zeros(len(g), np.int64), data.lengths[g]).to(device) for g in groups]
+        total = sum(b.target_tokens for b in batches)
+        logged = 0.0
+        for b in batches:
+            loss = module(b)
+            normalise(loss, total).backward()
+            logged += float(loss.detach()) / total
+        grads = torch.cat([p.grad.detach().float().flatten() for p in params if p.grad is not None]).cpu()
+        return logged, grads
+
+    was = model.training
+    model.eval()  # no dropout: the two runs must see the same function
+    try:
+        l1, g1 = run([ex])
+        l8, g8 = run([ex[i : i + 1] for i in range(n)])
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was)
+    rel = float((g1 - g8).norm() / max(float(g1.norm()), 1e-12))
+    numbers = {"loss_accum_1": l1, "loss_accum_8": l8, "grad_relative_diff": rel, "examples": int(n)}
+    if abs(l1 - l8) > 1e-4 * max(abs(l1), 1) or rel > 1e-3:
+        return Check("normalisation", "FAIL", "accumulation 1 and 8 give different losses or gradients", numbers,
+                     "divide the summed loss by the step's global target-token count, once per step")
+    return Check("normalisation", "PASS", f"accumulation 1 vs {n}: loss {l1:.4f} = {l8:.4f}, gradients within "
+                 f"{rel:.1e}", numbers)
+
+
+def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> list[Check]:
+
+    module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend)
+    plan, groups = batcher.epoch_plan(0)
+    batch = batcher.collate(plan, groups[0]).to(device)
+    method = "lora" if cfg.training.method == "lora" else "full"
+    est = estimate_memory(ModelShape.from_config(model.config), batch.real_tokens, method=method,
+                          precision="bf16" if amp else "fp32",
+                          gradient_checkpointing=cfg.training.gradient_checkpointing,
+                          chunk_size=cfg.training.loss_chunk_size)
+    act_est = est["parts"]["activations"] + est["parts"]["logits"] + est["parts"]["gradients"]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    tracker = TensorMemoryTracker() if device.type == "cpu" else None
+    with tracker if tracker is not None else contextlib.nullcontext():
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            module(batch).backward()
+    measured = tracker.peak if tracker else torch.cuda.max_memory_allocated(device) - base
+    model.zero_grad(set_to_none=True)
+    mem = Check("memory", "PASS" if measured < 3 * act_est else "WARN",
+                f"one micro-batch of {batch.real_tokens} tokens: measured {measured / 1e6:.1f} MB above the weights, "
+                f"estimated {act_est / 1e6:.1f} MB (activations + logits + gradients)",
+                {"measured_bytes": int(measured), "estimated_bytes": int(act_est), "estimate": est["parts"]})
+    steps = min(3, len(groups))
+    t0, tokens, flops = time.perf_counter(), 0, 0.0
+    body, head = flop_params(model)
+    for g in groups[:steps]:
+        b = batcher.collate(plan, g).to(device)
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            module(b).backward()
+        tokens += b.real_tokens
+        flops += step_flops(body, model.config.num_hidden_layers, model.config.hidden_size, b.real_tokens,
+                            attended_squares(b), head, b.target_tokens)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dt = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    peak = device_peak_flops(device, cfg.logging.peak_flops)
+    mfu = (flops / dt) / peak if peak else None
+    thr = Check("throughput", "PASS", f"{tokens / dt:,.0f} real tokens/s over {steps} micro-batches (fwd+bwd)"
+                + (f", MFU {mfu:.1%}" if mfu is not None else ", MFU n/a (device peak unknown)"),
+                {"real_tokens_per_s": tokens / dt, "mfu": mfu})
+    return [mem, thr]
+
+
+def run_checks(cfg: RunConfig) -> list[Check]:
+    seed_everything(cfg.training.seed)
+    model_path = model_location(cfg)
+    try:  # whole examples, so the truncation check sees what max_length would cut
+        prep = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed, truncate=False,
+                            holdout=False)
+    except (TemplateError, DataError) as err:
+        return [Check("template", "FAIL", str(err), {}, err.hint or "pass a training template")]
+    tok, full = prep.tokenizer, prep.train
+    checks = [check_template(tok, prep.template, full, prep.report.as_dict()),
+              check_truncation(full.lengths, full.target_counts, cfg.data.max_length)]
+    sample = full.select(np.arange(min(SAMPLE, len(full))), max_length=cfg.data.max_length)
+    device = pick_device()
+    model, backend = build_model(cfg, device, True, model_path)
+    amp = autocast_dtype(cfg.training.precision, device)
+    checks.append(check_isolation(model, sample, device))
+    batcher = Batcher(sample, cfg.batching, cfg.data.max_length, pad_id(tok), cfg.training.seed)
+    checks.append(check_positions(batcher))
+    checks.append(check_normalisation(model, sample, device))
+    if not batcher.packed:
+        use_packed_attention(model, "sdpa")
+    checks += check_memory_and_throughput(cfg, model, batcher, device, amp)
+    return checks
+
+
+def run_doctor(cfg: RunConfig, json_out: str | None = None) -> int:
+    """Print the checks; write JSON if asked; return 1 on any FAIL."""
+
+    checks = run_checks(cfg)
+    table = Table(title="leansft doctor")
+    for col in ("check", "status", "result"):
+        table.add_column(col)
+    colour = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
+    for c in checks:
+        text = c.message + (f"\nfix: {c.fix}" if c.status == "FAIL" and c.fix else "")
+        table.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", text)
+    Console().print(table)
+    if json_out:
+        Path(json_out).write_text(json.dumps([asdict(c) for c in checks], indent=2, default=str))
+    return 1 if any(c.status == "FAIL" for c in checks) else 0

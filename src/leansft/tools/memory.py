@@ -1,0 +1,107 @@
+"""Peak-memory estimate of one training micro-batch, by part, from a model config alone.
+
+The model is described by its transformers config (hidden size, layers, heads, vocab, MLP width).
+Numbers are bytes. It is an estimate: allocator slack and framework buffers are not included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from leansft.core.config import Method
+
+
+@dataclass
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, cfg) -> ModelShape:
+        heads = cfg.num_attention_heads
+        return cls(
+            hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            intermediate=getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
+            vocab=cfg.vocab_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        return 2 * h * h + 2 * h * kv + 3 * h * i
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embed + self.layers * (self.linear_params_per_layer + 2 * self.hidden) + self.hidden
+
+    def lora_params(self, r: int) -> int:
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        per_layer = r * ((h + h) * 2 + (h + kv) * 2 + (h + i) * 3)  # q,o ; k,v ; gate,up,down
+        return self.layers * per_layer
+
+    def activation_bytes_per_token_per_layer(self, act_bytes: int) -> int:
+        """Tensors a decoder layer keeps for backward, per token: norm inputs, q/k/v, attention output,
+        MLP gate/up/activation/product, residual."""
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        return act_bytes * (6 * h + 2 * kv + 4 * i)
+
+
+def estimate_memory(
+    shape: ModelShape,
+    tokens: int,
+    *,
+    method: Method = "full",
+    precision: Literal["bf16", "fp32"] = "bf16",
+    gradient_checkpointing: bool = False,
+    chunked_loss: bool = True,
+    chunk_size: int = 1024,
+    lora_r: int = 16,
+) -> dict:
+    """Bytes by part for one micro-batch of ``tokens`` tokens, plus the dominant part."""
+    p = shape.params
+    b = 2 if precision == "bf16" else 4
+    weights = p * b
+    trainable = p if method == "full" else shape.lora_params(lora_r)
+    if method == "full":
+        grads = trainable * b
+        master = trainable * 4 if precision == "bf16" else 0
+    else:
+        weights += trainable * 4
+        grads, master = trainable * 4, 0
+    optimizer = trainable * 8 + master  # AdamW: two fp32 moments (+ fp32 master weights under bf16)
+    per_layer = shape.activation_bytes_per_token_per_layer(b)
+    if gradient_checkpointing:
+        activations = tokens * (shape.layers * shape.hidden * b + per_layer)
+    else:
+        activations = tokens * shape.layers * per_layer
+    logits_bf16 = tokens * shape.vocab * 2
+    logits_fp32 = tokens * shape.vocab * 4
+    # chunked: one chunk's fp32 logits and their gradient live at once
+    logits = min(tokens, chunk_size) * shape.vocab * 4 * 2 if chunked_loss else tokens * shape.vocab * (b + 4)
+    parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": activations,
+             "logits": logits}
+    return {
+        "params": p,
+        "trainable_params": trainable,
+        "tokens": tokens,
+        "parts": parts,
+        "total": sum(parts.values()),
+        "dominant": max(parts, key=parts.get),
+        "activations_with_checkpointing": tokens * (shape.layers * shape.hidden * b + per_layer),
+        "activations_without_checkpointing": tokens * shape.layers * per_layer,
+        "logits_full_bf16": logits_bf16,
+        "logits_full_fp32": logits_fp32,
+        "logits_chunked": min(tokens, chunk_size) * shape.vocab * 4 * 2,
+    }

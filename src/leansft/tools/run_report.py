@@ -1,0 +1,99 @@
+"""`leansft report RUN_DIR`: loss/lr/throughput plots and a one-page Markdown summary of a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from leansft.core.errors import LeanSFTError
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def write_report(run: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = _read_jsonl(run / "metrics.jsonl")
+    if not records:
+        raise LeanSFTError("no metrics.jsonl (or it is empty): not a leansft run folder", file=str(run))
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    tokens_at = {r["step"]: r.get("tokens_seen", 0) for r in train}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot([r["tokens_seen"] for r in train], [r["loss"] for r in train], label="train loss")
+    if evals:
+        axes[0].plot([tokens_at.get(r["step"], 0) for r in evals], [r["eval_loss"] for r in evals], "o-",
+                     label="eval loss")
+    axes[0].set_xlabel("tokens seen")
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("learning rate")
+    axes[2].plot([r["step"] for r in train], [r["real_tokens_per_s"] for r in train], label="real tokens/s")
+    axes[2].plot([r["step"] for r in train], [r["target_tokens_per_s"] for r in train], label="target tokens/s")
+    axes[2].set_xlabel("step")
+    axes[2].legend()
+    fig.tight_layout()
+    png = run / "report.png"
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+    last = train[-1] if train else {}
+    lines = [f"# leansft run: {run}", "", "![curves](report.png)", "", "## Final metrics", "",
+             "| metric | value |", "| --- | --- |"]
+    for k in ("step", "loss", "real_tokens_per_s", "target_tokens_per_s", "padding_share", "tokens_seen",
+              "peak_memory_bytes", "mfu"):
+        if k in last and last[k] is not None:
+            v = last[k]
+            text = (f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4g}") if isinstance(v, float) else f"{v:,}"
+            lines.append(f"| {k} | {text} |")
+    if evals:
+        best = min(evals, key=lambda r: r["eval_loss"])
+        lines.append(f"| first eval_loss | {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) |")
+        lines.append(f"| last eval_loss | {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']}) |")
+        lines.append(f"| best eval_loss | {best['eval_loss']:.4f} (step {best['step']}) |")
+    samples = _read_jsonl(run / "samples.jsonl")
+    if samples:
+        step = samples[-1]["step"]
+        lines += ["", f"## Last samples (step {step})", ""]
+        for s in samples:
+            if s["step"] == step:
+                lines += [f"- **prompt:** {s['prompt'][-300:]!r}", f"  **answer:** {s['answer']!r}"]
+    cfg = run / "config.yaml"
+    if cfg.exists():
+        lines += ["", "## Config", "", "```yaml", cfg.read_text().rstrip(), "```"]
+    md = run / "report.md"
+    md.write_text("\n".join(lines) + "\n")
+    print_summary(train, evals, samples)
+    return [png, md]
+
+
+def print_summary(train: list[dict], evals: list[dict], samples: list[dict]) -> None:
+    """Console summary: eval loss before/after, throughput, and the first vs last samples side by side."""
+    c = Console()
+    if evals:
+        c.print(f"[bold]eval loss[/] {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) -> "
+                f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})")
+    if train:
+        rates = [r["real_tokens_per_s"] for r in train]
+        c.print(f"[bold]real tokens/s[/] {sum(rates) / len(rates):,.0f} (mean of {len(rates)} logged steps); "
+                f"padding share {train[-1]['padding_share']:.1%}; tokens seen {train[-1]['tokens_seen']:,}")
+    if samples:
+        first, last = samples[0]["step"], samples[-1]["step"]
+        before = [s for s in samples if s["step"] == first]
+        after = [s for s in samples if s["step"] == last]
+        for b, a in zip(before, after):
+            c.rule()
+            c.print(f"[bold]prompt:[/] {b['prompt'][-240:].strip()}")
+            c.print(f"[dim]step {first}:[/] {b['answer']}")
+            c.print(f"[green]step {last}:[/] {a['answer']}")

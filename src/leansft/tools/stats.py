@@ -1,0 +1,76 @@
+"""Length statistics, a recommended max_length, and what each batching strategy does with the lengths."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from leansft.core.packing import STRATEGIES, pack
+
+
+def length_stats(lengths: np.ndarray) -> dict[str, float]:
+    lengths = np.asarray(lengths, dtype=np.float64)
+    if len(lengths) == 0:
+        raise ValueError("no examples")
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    return {"mean": float(lengths.mean()), "median": float(p50), "p90": float(p90), "p99": float(p99),
+            "max": int(lengths.max())}
+
+
+def recommend_max_length(lengths: np.ndarray) -> int:
+    """Strictly above p99, rounded up to a multiple of 64 (up to 1024) or 128 (beyond)."""
+    p99 = float(np.percentile(np.asarray(lengths, dtype=np.float64), 99))
+    step = 64 if p99 < 1024 else 128
+    return int((int(p99) // step + 1) * step)
+
+
+def strategy_table(
+    lengths: np.ndarray, max_length: int, batch_size: int = 8, window: int = 512, seed: int = 0,
+    strategies: tuple[str, ...] = STRATEGIES,
+) -> dict[str, dict]:
+    """For each strategy: real-token share of slots, attention work vs. each example alone, rows, cuts.
+
+    Attention work is the sum of L^2 over the blocks actually attended (padded batch: rows x longest^2;
+    packed row with varlen attention: each piece alone) divided by the sum of each example's length^2.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ideal = float(np.sum(lengths.astype(np.float64) ** 2)) or 1.0
+    out = {}
+    for s in strategies:
+        plan = pack(s, lengths, max_length, batch_size=batch_size, window=window, seed=seed)
+        slots = int(plan.slots.sum())
+        out[s] = {
+            "real_token_share": float(plan.length.sum() / slots) if slots else 0.0,
+            "attention_work_ratio": plan.attention_work / ideal,
+            "rows": plan.num_rows,
+            "truncated": plan.truncated,
+            "split": plan.split,
+        }
+    return out
+
+
+def lognormal_lengths(n: int, median: float, sigma: float, cap: int, seed: int = 0) -> np.ndarray:
+    """Synthetic example lengths: lognormal around ``median``, rounded, clipped to [1, cap]."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(median), sigma, n)), 1, cap).astype(np.int64)
+
+
+def plan_summary(
+    lengths: np.ndarray, target_counts: np.ndarray | None, max_length: int, batch_size: int = 8,
+    window: int = 512, seed: int = 0,
+) -> dict:
+    """The numbers ``leansft plan`` and ``leansft simulate`` print and write as JSON."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    tokens = int(lengths.sum())
+    targets = int(target_counts.sum()) if target_counts is not None else None
+    return {
+        "examples": int(len(lengths)),
+        "tokens": tokens,
+        "target_tokens": targets,
+        "loss_share": (targets / tokens) if targets is not None and tokens else None,
+        "lengths": length_stats(lengths),
+        "max_length": int(max_length),
+        "truncated": int((lengths > max_length).sum()),
+        "recommended_max_length": recommend_max_length(lengths),
+        "batch_size": batch_size,
+        "strategies": strategy_table(lengths, max_length, batch_size, window, seed),
+    }

