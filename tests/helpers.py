@@ -131,3 +131,15 @@ def after_each_step(monkeypatch, fn) -> None:
         return out
 
     monkeypatch.setattr(recipe, "train_step", wrapped)
+
+
+def tiny_bloom(folder: Path, tokenizer_dir: str) -> str:
+    """A tiny Bloom (ALiBi attention, which ignores packed boundaries) saved with the tiny BPE."""
+    import torch
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    tf.BloomForCausalLM(tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=len(tok))).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)

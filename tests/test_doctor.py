@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_config
+from helpers import run_config, tiny_bloom
 
 from leansft.core import attention as attn_mod
 from leansft.tools import doctor
@@ -23,7 +23,8 @@ def statuses(cfg) -> dict[str, str]:
 def test_all_checks_pass_on_a_correct_setup(tmp_path, tiny_run_assets):
     cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")
     got = statuses(cfg)
-    assert set(got) == {"template", "truncation", "isolation", "positions", "normalisation", "memory", "throughput"}
+    assert set(got) == {"template", "truncation", "isolation", "loss", "positions", "normalisation", "memory",
+                        "throughput"}
     assert all(s == "PASS" for s in got.values()), got
 
 
@@ -33,11 +34,16 @@ def test_mixing_attention_fails_isolation(tmp_path, tiny_run_assets, monkeypatch
         return out.transpose(1, 2).contiguous(), None
 
     monkeypatch.setattr(attn_mod, "sdpa_varlen_attention", mixing)
-    cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")
+    cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096",
+                     "training.verify=skip")  # the safety check bypassed: doctor must still see it
     checks = {c.name: c for c in doctor.run_checks(cfg)}
     assert checks["isolation"].status == "FAIL"
-    assert checks["isolation"].numbers["max_hidden_diff_when_first_example_changes"] > 0
-    assert checks["isolation"].fix
+    assert checks["isolation"].numbers["max_logit_diff"] > 1e-3
+    assert "examples see each other" in checks["isolation"].message and checks["isolation"].fix
+    # with the default safety net, the same model trains unpacked instead: doctor says so
+    cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")
+    checks = {c.name: c for c in doctor.run_checks(cfg)}
+    assert checks["isolation"].status == "WARN" and "falls back to sorted" in checks["isolation"].message
 
 
 def test_template_without_findable_assistant_turns_fails(tmp_path, tiny_run_assets):
@@ -113,3 +119,19 @@ def test_cli_exit_codes_and_json(tmp_path, tiny_run_assets):
     assert main(["train", str(path), "--doctor"]) == 1  # refuses to train
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert results[-1]["numbers"]["real_tokens_per_s"] > 0
+
+
+def test_tokenizer_larger_than_the_model_fails_without_a_traceback(tmp_path, tiny_run_assets, qwen25_path):
+    cfg = run_config(tmp_path, tiny_run_assets, f"tokenizer={qwen25_path}")
+    checks = {c.name: c for c in doctor.run_checks(cfg)}
+    assert checks["vocabulary"].status == "FAIL" and "tokenizer does not belong" in checks["vocabulary"].message
+
+
+def test_bloom_packed_fails_isolation_when_the_safety_check_is_bypassed(tmp_path, tiny_run_assets, tiny_bpe_path):
+    bloom = tiny_bloom(tmp_path / "bloom", tiny_bpe_path)
+    cfg = run_config(tmp_path, tiny_run_assets, f"model={bloom}", "training.verify=skip")
+    checks = {c.name: c for c in doctor.run_checks(cfg)}
+    assert checks["isolation"].status == "FAIL" and checks["isolation"].numbers["architecture"].startswith("Bloom")
+    sorted_cfg = run_config(tmp_path, tiny_run_assets, f"model={bloom}", "batching.strategy=sorted")
+    checks = {c.name: c for c in doctor.run_checks(sorted_cfg)}
+    assert checks["isolation"].status == "PASS" and checks["loss"].status == "PASS"

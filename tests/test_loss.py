@@ -154,3 +154,37 @@ def test_no_gradient_buffers_under_no_grad(monkeypatch):
     assert n == 15 and loss.grad_fn is None and seen == [(False, False)]
     chunked_loss(hidden, weight, labels, chunk_size=4)  # training: gradients wanted
     assert seen[-1] == (True, True)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_output_bias_and_logit_scale_are_exact(softcap):
+    """Phi's lm_head bias, Cohere's logit_scale / Granite's 1/logits_scaling: loss and every gradient
+    (hidden states, weight, bias) equal the full-logits reference."""
+    emb, ids, proj, labels, weight = setup()
+    bias = torch.randn(weight.shape[0], requires_grad=True)
+    out = {}
+    for name, fn in (("chunked", lambda h, w, b: chunked_loss(h, w, labels, 8, softcap, b, 0.0625)[0]),
+                     ("full", lambda h, w, b: full_logits_loss(h, w, labels, softcap, b, 0.0625)[0])):
+        h = (emb[ids] @ proj).detach().requires_grad_()
+        w, b = weight.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+        loss = fn(h, w, b)
+        loss.backward()
+        out[name] = (loss.detach(), h.grad, w.grad, b.grad)
+    for a, b in zip(out["chunked"], out["full"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_output_head_is_read_from_the_model():
+    """The scale is measured from the model's own forward (Cohere multiplies, Granite divides)."""
+    import transformers as tf
+
+    from leansft.core.head import read_output_head
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=64)
+    cohere = tf.CohereForCausalLM(tf.CohereConfig(**small, logit_scale=0.125))
+    granite = tf.GraniteForCausalLM(tf.GraniteConfig(**small, logits_scaling=4.0))
+    assert read_output_head(cohere).scale == pytest.approx(0.125, rel=1e-4)
+    assert read_output_head(granite).scale == pytest.approx(0.25, rel=1e-4)
+    assert read_output_head(tiny_model("llama")).scale == 1.0
+    assert read_output_head(tiny_model("gemma2")).softcap == 30.0

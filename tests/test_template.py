@@ -94,6 +94,9 @@ def test_qwen3_empty_think_scaffold_is_not_trained(load_tok, qwen3_path):
     tok = load_tok(qwen3_path)
     ids, labels = encode(tok, None, CHAT[1:3])
     assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["Paris is the capital.<|im_end|>"]
+    for answer in ("think", "\n\nOk", "/"):  # text that also occurs inside the empty <think></think> scaffold
+        ids, labels = encode(tok, None, [CHAT[1], {"role": "assistant", "content": answer}])
+        assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == [answer.strip() + "<|im_end|>"]
     reasoning = [CHAT[1], {"role": "assistant", "content": "Paris.", "reasoning_content": "France's capital."}]
     ids, labels = encode(tok, None, reasoning)
     assert "France's capital." in tok.decode(ids[labels != IGNORE_INDEX])

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import after_each_step, run_config
+from helpers import after_each_step, run_config, tiny_bloom
 
 from leansft.core import checkpoint as ckpt
+from leansft.core.config import load_config
 from leansft.core.errors import ConfigError, LeanSFTError
 from leansft.recipe.train import train
 
@@ -187,3 +188,27 @@ def test_a_split_example_is_counted_once(tmp_path, tiny_run_assets):
     last = train(cfg)
     assert last["examples_seen"] == len(data)
     assert last["tokens_seen"] == int(data.lengths.sum())
+
+
+def test_an_architecture_that_cannot_pack_falls_back_or_is_refused(tmp_path, tiny_run_assets, tiny_bpe_path):
+    bloom = tiny_bloom(tmp_path / "bloom", tiny_bpe_path)
+    cfg = run_config(tmp_path / "a", tiny_run_assets, f"model={bloom}", "training.max_steps=2")
+    last = train(cfg)
+    saved = load_config(str(Path(cfg.output_dir) / "config.yaml"))
+    assert saved.batching.strategy == "sorted" and last["padding_share"] > 0  # trained unpacked, exactly
+    refuse = run_config(tmp_path / "b", tiny_run_assets, f"model={bloom}", "training.verify=refuse")
+    with pytest.raises(LeanSFTError, match=r"BloomForCausalLM \(bloom\) cannot train exactly with packed") as err:
+        train(refuse)
+    assert "batching.strategy: sorted" in str(err.value)
+    assert not (Path(refuse.output_dir) / "metrics.jsonl").exists()
+
+
+def test_tokenizer_larger_than_the_model_is_a_clear_error(tmp_path, tiny_run_assets, qwen25_path):
+    cfg = run_config(tmp_path, tiny_run_assets, f"tokenizer={qwen25_path}")
+    with pytest.raises(LeanSFTError, match="embedding has .* rows: the tokenizer does not belong to this model"):
+        train(cfg)
+
+
+def test_flex_attention_cannot_train_on_the_cpu(tmp_path, tiny_run_assets):
+    with pytest.raises(ConfigError, match="flex.*CPU"):
+        train(run_config(tmp_path, tiny_run_assets, "training.attention=flex"))

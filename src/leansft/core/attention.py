@@ -15,6 +15,7 @@ The varlen function refuses to run without segment boundaries rather than silent
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 
@@ -23,21 +24,24 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
 
-from leansft.core.errors import ModelError
+from leansft.core.errors import ConfigError, ModelError
 
 log = logging.getLogger("leansft")
 VARLEN = "leansft_sdpa_varlen"
 FLEX = "leansft_flex"
 PACKED_SAFE = {VARLEN, FLEX, "flash_attention_2", "flash_attention_3"}
+_PLAIN = "_leansft_plain_attention"
 
 
-def _segment_attention(q, k, v, scaling, dropout, softcap, window) -> torch.Tensor:
-    """Causal attention of one segment. q: [1, H, L, D]; k, v: [1, Hkv, L, D]."""
+def _segment_attention(q, k, v, scaling, dropout, softcap, window, sinks=None) -> torch.Tensor:
+    """Causal attention of one segment. q: [1, H, L, D]; k, v: [1, Hkv, L, D]; ``sinks``: [H] logits of an
+    attention sink (gpt-oss), a virtual key every query attends to with no value."""
     n_rep = q.shape[1] // k.shape[1]
-    if softcap is None and (window is None or q.shape[2] <= window):
+    if softcap is None and sinks is None and (window is None or q.shape[2] <= window):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout,
                                               enable_gqa=n_rep > 1)
-    # Soft-capped (Gemma 2) or longer than a sliding window: explicit scores for this segment only.
+    # Soft-capped (Gemma 2), with sinks (gpt-oss) or longer than a sliding window: explicit scores for
+    # this segment only.
     if n_rep > 1:
         k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
@@ -49,7 +53,11 @@ def _segment_attention(q, k, v, scaling, dropout, softcap, window) -> torch.Tens
     if window is not None:
         allowed &= i[:, None] - i[None, :] < window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sinks is not None:  # the sink's logit joins each row's softmax, then is dropped
+        sink = sinks.reshape(1, -1, 1, 1).expand(1, -1, L, 1).to(scores.dtype)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     probs = F.dropout(probs, p=dropout, training=dropout > 0)
     return torch.matmul(probs, v)
 
@@ -67,9 +75,11 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=Non
     dropout = dropout if module.training else 0.0
     softcap = kwargs.get("softcap")
     window = kwargs.get("sliding_window")
+    sinks = kwargs.get("s_aux")
     bounds = cu.tolist()
     outs = [
-        _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout, softcap, window)
+        _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout, softcap, window,
+                           sinks)
         for s, e in zip(bounds[:-1], bounds[1:]) if e > s
     ]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
@@ -116,8 +126,12 @@ def flex_varlen_attention(module, query, key, value, attention_mask, scaling=Non
         def score_mod(score, b, h, q, k):
             return softcap * torch.tanh(score / softcap)
     mask = _block_mask(cu, query.shape[2], kwargs.get("sliding_window"), query.device)
+    sinks = kwargs.get("s_aux")
     out = _flex_kernel(query.device)(query, key, value, block_mask=mask, score_mod=score_mod, scale=scaling,
-                                     enable_gqa=query.shape[1] != key.shape[1])
+                                     enable_gqa=query.shape[1] != key.shape[1], return_lse=sinks is not None)
+    if sinks is not None:  # softmax over [scores, sink] = softmax over scores x sigmoid(lse - sink)
+        out, lse = out
+        out = out * torch.sigmoid(lse - sinks.reshape(1, -1, 1).to(lse.dtype)).unsqueeze(-1).to(out.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -126,7 +140,7 @@ def register() -> None:
     AttentionInterface.register(FLEX, flex_varlen_attention)
 
 
-def choose_backend(device: torch.device, requested: str = "auto") -> str:
+def choose_backend(device: torch.device, requested: str = "auto", training: bool = True) -> str:
     """The packed-attention implementation for this device, or a clear error if the request can't run."""
     register()
     has_flash = importlib.util.find_spec("flash_attn") is not None
@@ -134,6 +148,9 @@ def choose_backend(device: torch.device, requested: str = "auto") -> str:
         raise ModelError("attention 'flash' needs the flash-attn package and a CUDA device",
                          field="training.attention", hint="pip install flash-attn, or use attention: auto")
     if requested == "flex":
+        if training and device.type != "cuda":
+            raise ConfigError("attention 'flex' cannot train on the CPU (flex_attention has no CPU backward)",
+                              field="training.attention", hint="use attention: auto (sdpa_varlen) on the CPU")
         return FLEX
     if requested == "sdpa_varlen":
         return VARLEN
@@ -152,10 +169,44 @@ def set_attention(model, impl: str) -> None:
 
 
 def use_packed_attention(model, backend: str) -> None:
-    """Register leansft's backends, point ``model`` at ``backend`` and log what is really used."""
+    """Register leansft's backends, point ``model`` at ``backend`` and log what is really used. The
+    implementation the model came with is remembered for ``plain_attention``."""
     register()
+    if not hasattr(model, _PLAIN):
+        impl = model.config._attn_implementation
+        setattr(model, _PLAIN, impl if impl not in PACKED_SAFE else "sdpa")
     set_attention(model, backend)
     log.info("packed attention backend: %s", backend)
+
+
+def use_plain_attention(model) -> None:
+    """Back to the model's own (padding-aware) attention implementation, e.g. for padded batches."""
+    set_attention(model, getattr(model, _PLAIN, "sdpa"))
+    log.info("attention: %s (the model's own, for padded batches)", model.config._attn_implementation)
+
+
+@contextlib.contextmanager
+def plain_attention(model):
+    """The model's own attention implementation (the plain Hugging Face forward, padding-aware and
+    cache-capable) for the duration of the block: references, generation."""
+    impl = model.config._attn_implementation
+    set_attention(model, getattr(model, _PLAIN, impl if impl not in PACKED_SAFE else "sdpa"))
+    try:
+        yield
+    finally:
+        set_attention(model, impl)
+
+
+def decoder_of(model):
+    """The module that turns input ids into final hidden states (the causal LM minus its output layer)."""
+    decoder = model.get_decoder()
+    if decoder is model or getattr(decoder, "get_output_embeddings", lambda: None)() is not None:
+        inner = getattr(decoder, "model", None)  # e.g. Llama 4: get_decoder() returns the CausalLM itself
+        if inner is None:
+            raise ModelError(f"cannot find the decoder of {type(model).__name__} (get_decoder() returns a model "
+                             "with an output layer)")
+        decoder = inner
+    return decoder
 
 
 def packed_forward(model, batch, use_cache: bool = False) -> torch.Tensor:
@@ -168,8 +219,7 @@ def packed_forward(model, batch, use_cache: bool = False) -> torch.Tensor:
         )
     if use_cache:
         raise ModelError("use_cache=True bypasses packed-sequence handling; packed forwards run without a cache")
-    decoder = model.get_decoder()
-    out = decoder(
+    out = decoder_of(model)(
         input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
         cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
         max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen,

@@ -26,6 +26,7 @@ Format = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", 
 LossOn = Literal["assistant", "last_assistant", "all"]
 Method = Literal["full", "lora"]
 Attention = Literal["auto", "flash", "sdpa_varlen", "flex"]
+Verify = Literal["fallback", "refuse", "skip"]
 
 
 class _Strict(BaseModel):
@@ -101,6 +102,9 @@ class TrainingConfig(_Strict):
     loss_chunk_size: int = Field(1024, gt=0)
     loss_backend: Literal["chunked", "liger"] = "chunked"
     attention: Attention = "auto"
+    verify: Verify = Field("fallback", description="before step 1, check the run's forward and loss against the "
+                           "plain model: fallback = packed path inexact -> train with sorted (unpacked) batches; "
+                           "refuse = stop instead; skip = no check")
     seed: int = 0
 
 

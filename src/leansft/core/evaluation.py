@@ -13,19 +13,19 @@ import torch
 from leansft.core.collate import collate_rows, micro_batches
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.forward import hidden_states
-from leansft.core.loss import output_softcap, select_targets
+from leansft.core.head import read_output_head
+from leansft.core.loss import select_targets
 from leansft.core.packing import bfd
 
 
 @torch.no_grad()
-def eval_stats(hidden, weight, labels, chunk_size: int, softcap: float | None = None) -> tuple[float, int, int]:
-    """(summed loss, targets, correct argmax predictions) of one batch."""
+def eval_stats(model, hidden, labels, chunk_size: int) -> tuple[float, int, int]:
+    """(summed loss, targets, correct argmax predictions) of one batch, the output layer as the model has it."""
+    head = read_output_head(model)
     h, t = select_targets(hidden, labels)
     total, correct = 0.0, 0
     for s in range(0, len(t), chunk_size):
-        logits = (h[s : s + chunk_size] @ weight.t()).float()
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
+        logits = head.logits(model, h[s : s + chunk_size])
         tt = t[s : s + chunk_size]
         total += float(torch.nn.functional.cross_entropy(logits, tt, reduction="sum"))
         correct += int((logits.argmax(-1) == tt).sum())
@@ -44,8 +44,6 @@ def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_ba
     model.eval()
     device = device or next(model.parameters()).device
     plan = bfd(np.minimum(data.lengths, max_length), max_length)
-    weight = model.get_output_embeddings().weight
-    softcap = output_softcap(model)
     loss, n, correct = 0.0, 0, 0
     try:
         for rows in micro_batches(plan, max(tokens_per_micro_batch, max_length)):
@@ -56,7 +54,7 @@ def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_ba
                 else:
                     hidden = hidden_states(model, batch)
             if sharded_module is None:
-                l, k, c = eval_stats(hidden, weight, batch.labels, chunk_size, softcap)
+                l, k, c = eval_stats(model, hidden, batch.labels, chunk_size)
             loss, n, correct = loss + l, n + k, correct + c
     finally:
         model.train(was_training)

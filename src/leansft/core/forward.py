@@ -1,13 +1,14 @@
-"""One forward to final hidden states for either batch kind, and the loss function the config chose."""
+"""One forward to final hidden states for either batch kind, and the loss the config chose on them."""
 
 from __future__ import annotations
 
 import torch
 
-from leansft.core.attention import packed_forward
+from leansft.core.attention import decoder_of, packed_forward
 from leansft.core.collate import PackedBatch, PaddedBatch
-from leansft.core.errors import ModelError
-from leansft.core.loss import chunked_loss, liger_loss, output_softcap
+from leansft.core.errors import ConfigError, ModelError
+from leansft.core.head import read_output_head
+from leansft.core.loss import chunked_loss, liger_loss
 
 
 def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
@@ -16,16 +17,21 @@ def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
     impl = model.config._attn_implementation
     if impl.startswith("leansft"):
         raise ModelError("padded batches need a padding-aware attention implementation (sdpa), not " + impl)
-    out = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, use_cache=False)
+    out = decoder_of(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids, use_cache=False)
     return out.last_hidden_state
 
 
 def loss_of(model, batch, hidden: torch.Tensor, chunk_size: int, backend: str = "chunked") -> tuple[torch.Tensor, int]:
-    weight = model.get_output_embeddings().weight
+    """(summed loss, targets) with the output layer as the model applies it (bias, scale, soft-capping)."""
+    head = read_output_head(model)
+    weight, bias = head.weight(model), head.bias(model)
     if backend == "liger":
+        if bias is not None or head.scale != 1.0 or head.softcap is not None:
+            raise ConfigError("training.loss_backend 'liger' has no output bias, logit scale or soft-capping, which "
+                              "this model uses", field="training.loss_backend", hint="use loss_backend: chunked")
         return liger_loss(hidden, weight, batch.labels)
-    return chunked_loss(hidden, weight, batch.labels, chunk_size, output_softcap(model))
+    return chunked_loss(hidden, weight, batch.labels, chunk_size, head.softcap, bias, head.scale)
 
 
 class LossModule(torch.nn.Module):

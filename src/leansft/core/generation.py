@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from leansft.core.attention import set_attention
+from leansft.core.attention import plain_attention
 from leansft.core.data.formats import Conversation
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 
@@ -29,14 +29,11 @@ def stop_token_ids(tokenizer, template: ChatTemplate) -> list[int]:
 def generation_mode(model):
     """Eval mode and a cache-capable attention for generation; training state restored afterwards."""
     was_training = model.training
-    impl = model.config._attn_implementation
     model.eval()
-    if impl.startswith("leansft"):
-        set_attention(model, "sdpa")
     try:
-        yield
+        with plain_attention(model):
+            yield
     finally:
-        set_attention(model, impl)
         model.train(was_training)
 
 

@@ -18,47 +18,58 @@ from leansft.core.errors import ConfigError
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
+    """logits = softcap(scale * (h @ W^T + b)); cross-entropy summed; gradients made chunk by chunk."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size: int, softcap: float | None):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, hidden, weight, bias, targets, chunk_size: int, scale: float, softcap: float | None):
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         w = weight
         for s in range(0, hidden.shape[0], chunk_size):
             h = hidden[s : s + chunk_size]
             t = targets[s : s + chunk_size]
             logits = (h @ w.t()).float()
+            if bias is not None:
+                logits += bias.float()
+            if scale != 1.0:
+                logits *= scale
             if softcap is not None:
                 capped = torch.tanh(logits / softcap)
                 logits = capped * softcap
             lse = torch.logsumexp(logits, dim=-1)
             rows = torch.arange(len(t), device=t.device)
             total += (lse - logits[rows, t]).sum()  # before the buffer is reused below
-            if need_h or need_w:
+            if need_h or need_w or need_b:
                 g = logits.sub_(lse[:, None]).exp_()  # softmax in the logits' own buffer
                 g[rows, t] -= 1.0
                 if softcap is not None:
                     g *= 1.0 - capped * capped
+                if scale != 1.0:
+                    g *= scale
                 if need_h:
                     grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
                 if need_w:
                     grad_w.addmm_(g.t(), h.float())
+                if need_b:
+                    grad_b += g.sum(0)
             del logits
-        ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
-        ctx.has = (need_h, need_w)
-        ctx.weight_dtype = weight.dtype
-        ctx.hidden_dtype = hidden.dtype
+        ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
+        ctx.has = (need_h, need_w, need_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = list(ctx.saved_tensors)
-        need_h, need_w = ctx.has
+        grads = []
         # In place: the stored gradients are used once (no double backward through this loss).
-        gh = saved.pop(0).mul_(grad_out.to(ctx.hidden_dtype)) if need_h else None
-        gw = saved.pop(0).mul_(grad_out).to(ctx.weight_dtype) if need_w else None
-        return gh, gw, None, None, None
+        for need, dtype in zip(ctx.has, ctx.dtypes):
+            g = saved.pop(0) if need else None
+            grads.append(g.mul_(grad_out.to(g.dtype)).to(dtype) if need else None)
+        return (*grads, None, None, None, None)
 
 
 def select_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,21 +82,29 @@ def select_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
 def chunked_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
-    softcap: float | None = None,
+    softcap: float | None = None, bias: torch.Tensor | None = None, scale: float = 1.0,
 ) -> tuple[torch.Tensor, int]:
-    """(summed cross-entropy over target tokens, number of target tokens). ``labels`` are unshifted."""
+    """(summed cross-entropy over target tokens, number of target tokens). ``labels`` are unshifted.
+
+    Logits are ``softcap(scale * (hidden @ weight^T + bias))``, the output layer as the model applies it
+    (``leansft.core.head``)."""
     h, t = select_targets(hidden, labels)
     if t.numel() == 0:
         return hidden.sum() * 0.0, 0
     if not torch.is_grad_enabled():  # evaluation: no gradient buffers (the weight may still require grad)
         h, weight = h.detach(), weight.detach()
-    return _ChunkedLinearCE.apply(h, weight, t, chunk_size, softcap), int(t.numel())
+        bias = bias.detach() if bias is not None else None
+    return _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap), int(t.numel())
 
 
-def full_logits_loss(hidden, weight, labels, softcap: float | None = None) -> tuple[torch.Tensor, int]:
+def full_logits_loss(hidden, weight, labels, softcap: float | None = None, bias=None,
+                     scale: float = 1.0) -> tuple[torch.Tensor, int]:
     """Reference: the plain full-logits cross-entropy (what a model's own loss computes), summed."""
     h, t = select_targets(hidden, labels)
     logits = (h @ weight.t()).float()
+    if bias is not None:
+        logits = logits + bias.float()
+    logits = logits * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return torch.nn.functional.cross_entropy(logits, t, reduction="sum"), int(t.numel())
@@ -102,11 +121,6 @@ def liger_loss(hidden, weight, labels) -> tuple[torch.Tensor, int]:
         raise ConfigError("training.loss_backend 'liger' runs on CUDA only", field="training.loss_backend")
     h, t = select_targets(hidden, labels)
     return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, h, t), int(t.numel())
-
-
-def output_softcap(model) -> float | None:
-    """Final-logit soft-capping where a model config has it (Gemma 2)."""
-    return getattr(model.config, "final_logit_softcapping", None) or None
 
 
 def normalise(loss_sum: torch.Tensor, step_targets: int, world_size: int = 1) -> torch.Tensor:

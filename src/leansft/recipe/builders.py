@@ -6,19 +6,25 @@ very model and forward the run will use.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+import time
 
 import numpy as np
 import torch
 
 from leansft.core import parallel
-from leansft.core.attention import choose_backend, use_packed_attention
-from leansft.core.config import RunConfig
+from leansft.core.attention import choose_backend, use_packed_attention, use_plain_attention
+from leansft.core.config import PACKED_STRATEGIES, RunConfig
+from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
 from leansft.core.models import apply_lora, load_model, resolve_model_path, trainable_parameters
 from leansft.core.paths import cache_dir
+from leansft.core.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.recipe.batches import Batcher
+
+log = logging.getLogger("leansft")
 
 
 def seed_everything(seed: int) -> None:
@@ -60,9 +66,33 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
             model.enable_input_require_grads()
         model = apply_lora(model, cfg.training.lora)
     model.to(device)
-    backend = choose_backend(device, cfg.training.attention) if packed else "sdpa"
+    if not packed:  # padded batches: the model's own, padding-aware attention
+        return model, model.config._attn_implementation
+    backend = choose_backend(device, cfg.training.attention)
     use_packed_attention(model, backend)
     return model, backend
+
+
+def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int) -> str:
+    """Check the run's forward and loss against the plain model before step 1 (``leansft.core.verify``);
+    return the batching strategy to train with (the configured one, or ``sorted`` as the exact fallback,
+    logged), or raise a clear error."""
+    check_vocabulary(model, data)
+    strategy = cfg.batching.strategy
+    if cfg.training.verify == "skip":
+        log.warning("training.verify is skip: the packed forward and the loss are not checked against the model")
+        return strategy
+    packed = strategy in PACKED_STRATEGIES
+    t0 = time.perf_counter()
+    v = verify_model(model, probe_segments(data, model.get_input_embeddings().weight.shape[0]),
+                     ("packed", "padded") if packed else ("padded",), pad)
+    log.info("verified in %.1f s: %s", time.perf_counter() - t0, v.summary())
+    chosen = choose_strategy(v, strategy, cfg.training.verify)
+    if chosen != strategy:
+        log.warning("%s: packed batches would not be exact (%s); training with sorted (unpacked) batches instead "
+                    "(training.verify: refuse stops instead)", v.architecture, v.checks["packed"].reason)
+        use_plain_attention(model)
+    return chosen
 
 
 def build_optimizer(cfg: RunConfig, model, device: torch.device) -> torch.optim.Optimizer:

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from leansft.core import parallel
-from leansft.core.config import SPLITTING_STRATEGIES, RunConfig
+from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
 from leansft.core.data.prepare import PreparedData, prepare_data
 from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import LeanSFTError
@@ -38,6 +38,7 @@ from leansft.recipe.builders import (
     model_location,
     pick_device,
     seed_everything,
+    verified_strategy,
 )
 from leansft.recipe.checkpointer import Checkpointer
 from leansft.recipe.evaluator import Evaluator
@@ -92,16 +93,18 @@ def train_step(engine: Engine, batches: list, step_targets: int, step: int) -> t
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
     """Run training as configured; returns the last logged record."""
     parallel.init()
+    cfg = cfg.model_copy(deep=True)  # the strategy may fall back below; the caller's config stays as given
     rank, world, device, out = parallel.rank(), parallel.world_size(), pick_device(), Path(cfg.output_dir)
     seed_everything(cfg.training.seed)
     model_path = model_location(cfg)
     data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,
                         truncate=cfg.batching.strategy not in SPLITTING_STRATEGIES)
+    seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
+    model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, model_path)
+    cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
     batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), cfg.training.seed,
                       rank, world)
     total_steps = count_steps(cfg, batcher)
-    seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
-    model, backend = build_model(cfg, device, batcher.packed, model_path)
     amp = autocast_dtype(cfg.training.precision, device)
     loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend),
                                 cfg.distributed.strategy, device, mixed_precision=amp is not None)
@@ -117,7 +120,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     start_run_folder(cfg, out, data, state.step, metrics)
     evaluator = Evaluator(cfg, model, data, device, amp, out, sharded)
     window = ThroughputWindow(model, device, cfg.logging.peak_flops, world)
-    log.info("training %d steps, %s attention, %s, %s, %d trainable params", total_steps, backend,
+    log.info("training %d steps, %s batches, %s attention, %s, %s, %d trainable params", total_steps,
+             cfg.batching.strategy, model.config._attn_implementation,
              "bf16 autocast" if amp else "fp32", cfg.training.method, sum(p.numel() for p in engine.params))
     last = log_record(metrics, evaluator, None, 0, evaluator.after_step(0, total_steps) if state.step == 0 else None)
     steps = batcher.steps(state.position, cfg.batching.gradient_accumulation)

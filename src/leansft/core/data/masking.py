@@ -31,6 +31,7 @@ from leansft.core.errors import TemplateError
 IGNORE_INDEX = -100
 LossOn = Literal["assistant", "last_assistant", "all"]
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_EMPTY_THINK = re.compile(r"\s*<think>\s*</think>\s*")  # the empty reasoning block Qwen3-style templates insert
 
 
 @dataclass(frozen=True)
@@ -183,12 +184,16 @@ class ChatEncoder:
     @staticmethod
     def _content_start(text: str, c0: int, c1: int, message: dict | None) -> int:
         """Move a span's start to the message content, past scaffolding the template inserts before it
-        (an empty ``<think></think>`` block, say). Real reasoning (``reasoning_content``) keeps its loss."""
+        (an empty ``<think></think>`` block, say). Real reasoning (``reasoning_content``) keeps its loss.
+        An empty reasoning block at the span's start is skipped first, so an answer whose text also
+        occurs inside the scaffold ("think", a newline) is not found there."""
         if message is None or message.get("reasoning_content"):
             return c0
         content = str(message.get("content") or "").strip()
-        p = text.find(content, c0, c1) if content else -1
-        return p if p > c0 else c0
+        scaffold = _EMPTY_THINK.match(text, c0, c1)
+        start = scaffold.end() if scaffold else c0
+        p = text.find(content, start, c1) if content else -1
+        return p if p > c0 else start
 
     def _labels(
         self, ids: np.ndarray, offsets: np.ndarray, text: str, chat: list[dict], spans: list[tuple[int, int, int]]

@@ -1,0 +1,210 @@
+"""Before step 1, on the real model: does the path the run relies on match the plain Hugging Face model?
+
+Two short segments of real tokens go through the very forward the run will use (packed: one flat
+sequence with boundaries; padded: right-padded rows with an attention mask) and through the plain
+model alone, one segment at a time, with its own attention implementation. Checked:
+
+- logits: each segment's logits in the run's forward equal its logits alone (a packed segment that
+  sees the other one, through attention that ignores the boundaries or a convolution/state that
+  carries over, fails here);
+- loss: the chunked loss (output layer as the model applies it) equals the model's own loss.
+
+The check costs one forward per segment and path, in fp32 without autocast, and runs in eval mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from leansft.core.attention import PACKED_SAFE, plain_attention
+from leansft.core.collate import PackedBatch, PaddedBatch
+from leansft.core.config import PACKED_STRATEGIES
+from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.data.masking import IGNORE_INDEX
+from leansft.core.errors import ModelError
+from leansft.core.forward import hidden_states, loss_of
+from leansft.core.head import OutputHead, read_output_head
+
+SEGMENTS = (24, 16)  # tokens of the two probe segments
+LOGIT_TOL = 1e-4  # relative to the largest reference logit (fp32)
+LOSS_TOL = 1e-4  # relative
+
+
+@dataclass
+class PathCheck:
+    path: str  # "packed" | "padded"
+    logits_ok: bool
+    loss_ok: bool
+    reason: str = ""
+    numbers: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.logits_ok and self.loss_ok
+
+
+@dataclass
+class Verification:
+    architecture: str
+    head: OutputHead
+    checks: dict[str, PathCheck] = field(default_factory=dict)
+
+    def ok(self, path: str) -> bool:
+        return self.head.exact and path in self.checks and self.checks[path].ok
+
+    def summary(self) -> str:
+        parts = [f"{c.path}: {'exact' if c.ok else 'FAILS'} ({_numbers(c)}{'; ' + c.reason if c.reason else ''})"
+                 for c in self.checks.values()]
+        if not self.head.exact:
+            parts.append(f"output layer: {self.head.reason}")
+        return f"{self.architecture}: " + "; ".join(parts)
+
+
+def _numbers(c: PathCheck) -> str:
+    return ", ".join(f"{k} {v:.1e}" for k, v in c.numbers.items()) or "no numbers"
+
+
+def architecture(model) -> str:
+    cfg = getattr(model, "config", None)
+    return f"{type(model).__name__} ({getattr(cfg, 'model_type', '?')})"
+
+
+def probe_segments(data: TokenizedDataset | None, vocab_size: int) -> list[np.ndarray]:
+    """Two short segments of real tokens (the first two examples, cut), or fixed ids without data."""
+    out = []
+    for i, n in enumerate(SEGMENTS):
+        if data is not None and len(data) > 0:
+            ids = np.asarray(data.example(i % len(data))[0][:n], dtype=np.int64)
+            if len(ids) >= 2:
+                out.append(ids)
+                continue
+        out.append((np.arange(n, dtype=np.int64) * 7 + 3 * i + 1) % vocab_size)
+    return out
+
+
+def check_vocabulary(model, data: TokenizedDataset) -> None:
+    """Every token id of the data has a row in the model's embedding, or a clear error."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    top = int(data.input_ids.max()) if len(data.input_ids) else -1
+    if top >= rows:
+        raise ModelError(
+            f"the data has token id {top} but the model's embedding has {rows} rows: the tokenizer does not "
+            "belong to this model", hint="use the model's own tokenizer (drop `tokenizer:`), or resize the "
+            "model's embeddings to the tokenizer first")
+
+
+@torch.no_grad()
+def _reference(model, segments: list[np.ndarray], device) -> list[tuple[torch.Tensor, float]]:
+    """(logits, summed loss) of each segment alone through the plain model and its own loss."""
+    out = []
+    with plain_attention(model):
+        for seg in segments:
+            ids = torch.as_tensor(seg, device=device)[None]
+            res = model(input_ids=ids, labels=ids, use_cache=False)
+            out.append((res.logits[0].float(), float(res.loss) * (len(seg) - 1)))
+    return out
+
+
+def _packed_batch(segments: list[np.ndarray], device) -> PackedBatch:
+    lens = [len(s) for s in segments]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    ids = torch.as_tensor(np.concatenate(segments))[None]
+    labels = ids.clone()
+    labels[0, cu[:-1]] = IGNORE_INDEX
+    pos = torch.as_tensor(np.concatenate([np.arange(n) for n in lens]))[None]
+    return PackedBatch(ids, labels, pos, torch.as_tensor(cu, dtype=torch.int32), max(lens),
+                       np.arange(len(lens)), np.zeros(len(lens), np.int64)).to(device)
+
+
+def _padded_batch(segments: list[np.ndarray], pad: int, device) -> PaddedBatch:
+    width = max(len(s) for s in segments)
+    ids = torch.full((len(segments), width), pad, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(segments):
+        ids[r, : len(s)] = torch.as_tensor(s)
+        labels[r, 1 : len(s)] = torch.as_tensor(s[1:])
+        mask[r, : len(s)] = 1
+    pos = torch.arange(width)[None].expand(len(segments), -1).clone()
+    return PaddedBatch(ids, labels, mask, pos, np.arange(len(segments))).to(device)
+
+
+@torch.no_grad()
+def _check(path: str, model, segments, refs, batch, rows_of) -> PathCheck:
+    head = read_output_head(model)
+    try:
+        hidden = hidden_states(model, batch)
+        loss = float(loss_of(model, batch, hidden, chunk_size=64)[0])
+    except Exception as err:  # noqa: BLE001 - any failure of the run's path is a failed check, with its reason
+        return PathCheck(path, False, False, f"{type(err).__name__}: {str(err)[:200]}")
+    logit_diff, scale = 0.0, 1.0
+    for (ref_logits, _), rows in zip(refs, rows_of(hidden)):
+        ours = head.logits(model, rows)
+        logit_diff = max(logit_diff, float((ours - ref_logits).abs().max()))
+        scale = max(scale, float(ref_logits.abs().max()))
+    ref_loss = sum(r[1] for r in refs)
+    loss_diff = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
+    numbers = {"max_logit_diff": logit_diff / scale, "loss_rel_diff": loss_diff}
+    logits_ok, loss_ok = logit_diff <= LOGIT_TOL * scale, loss_diff <= LOSS_TOL
+    reasons = [] if logits_ok else ["logits differ from the model run on each example alone"
+                                    + (" (examples see each other)" if path == "packed" else "")]
+    reasons += [] if loss_ok else ["the loss differs from the model's own loss"]
+    return PathCheck(path, logits_ok, loss_ok, "; ".join(reasons), numbers)
+
+
+def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("packed", "padded"),
+                 pad_id: int = 0) -> Verification:
+    """Check each of ``paths`` against the plain model (see the module docstring). ``packed`` needs the
+    model's attention set to a packed backend (``use_packed_attention``)."""
+    device = next(model.parameters()).device
+    was = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.autocast(device.type, enabled=False):
+            head = read_output_head(model)
+            result = Verification(architecture(model), head)
+            refs = _reference(model, segments, device)
+            lens = [len(s) for s in segments]
+            starts = np.concatenate([[0], np.cumsum(lens)])
+            if "packed" in paths:
+                if model.config._attn_implementation not in PACKED_SAFE:
+                    result.checks["packed"] = PathCheck("packed", False, False, "no packed attention backend is set")
+                else:
+                    result.checks["packed"] = _check(
+                        "packed", model, segments, refs, _packed_batch(segments, device),
+                        lambda h: [h[0, a:b] for a, b in zip(starts[:-1], starts[1:])])
+            if "padded" in paths:
+                with plain_attention(model):
+                    result.checks["padded"] = _check(
+                        "padded", model, segments, refs, _padded_batch(segments, pad_id, device),
+                        lambda h: [h[r, :n] for r, n in enumerate(lens)])
+    finally:
+        model.train(was)
+    return result
+
+
+def choose_strategy(v: Verification, strategy: str, policy: str) -> str:
+    """The batching strategy to train with: the configured one when its path is exact; ``sorted``
+    (unpacked, padded, exact) when the packed path is not and ``policy`` is ``fallback``; else an error
+    naming the architecture and what to do."""
+    packed = strategy in PACKED_STRATEGIES
+    if v.ok("packed" if packed else "padded"):
+        return strategy
+    if packed and v.ok("padded") and policy == "fallback":
+        return "sorted"
+    if not v.head.exact:
+        hint = "leansft's chunked loss cannot reproduce this model's output layer; this architecture is not supported"
+    elif packed and v.ok("padded"):
+        hint = "use batching.strategy: sorted (unpacked, exact), or training.verify: fallback to switch automatically"
+    else:
+        hint = "neither packed nor padded batches match the plain model for this architecture; it is not supported"
+    return _refuse(v, "packed" if packed else "padded", hint)
+
+
+def _refuse(v: Verification, path: str, hint: str):
+    raise ModelError(f"{v.architecture} cannot train exactly with {path} batches: {v.summary()}", hint=hint)
+
