@@ -94,3 +94,25 @@ def test_lora_under_two_ranks(tmp_path, tiny_run_assets, strategy):
     launch(write(cfg, tmp_path / "c.yaml"), 2)
     exported = weights(Path(cfg.output_dir))
     assert exported and not any("lora" in k for k in exported)  # merged on export
+
+
+@pytest.mark.parametrize("first,then", [((2, "ddp"), (1, "ddp")), ((1, "ddp"), (2, "fsdp")),
+                                        ((2, "fsdp"), (1, "ddp")), ((2, "fsdp"), (2, "ddp"))],
+                         ids=["ddp2-to-1", "1-to-fsdp2", "fsdp2-to-1", "fsdp-to-ddp"])
+def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, single, first, then):
+    """Saved on N ranks (DDP or FSDP), resumed on M: the global step (world x accumulation) is kept and the
+    run continues the uninterrupted run's loss sequence; the exported weights agree."""
+    (n, strategy), (m, strategy_after) = first, then
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=1", f"batching.gradient_accumulation={2 // n}",
+                     "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
+                     f"data.cache_dir={single.parent / 'cache'}")
+    path = write(cfg, tmp_path / "c.yaml")
+    launch(path, n)
+    launch(path, m, "training.max_steps=3", f"distributed.strategy={strategy_after}", "--resume", "auto")
+    run = Path(cfg.output_dir)
+    ref, got = losses(single), losses(run)
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert got[k] == pytest.approx(ref[k], rel=1e-6)
+    a, b = weights(single), weights(run)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5

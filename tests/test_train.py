@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -79,11 +80,12 @@ def test_crash_during_checkpoint_write_keeps_the_last_good_one(tmp_path, tiny_ru
     def flaky(tensors, path):
         calls["n"] += 1
         if calls["n"] == 5:  # second checkpoint, after its model file was written
-            raise OSError("disk full")
+            raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(tensors, path)
 
     monkeypatch.setattr(ckpt, "save_file", flaky)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(LeanSFTError, match="cannot write checkpoint step-4: the disk is full; the earlier "
+                       "checkpoints are intact"):
         train(cfg)
     folder = Path(cfg.output_dir) / "checkpoints"
     good = ckpt.list_checkpoints(folder)

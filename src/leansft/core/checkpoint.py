@@ -1,23 +1,33 @@
-"""Checkpoint files: safetensors for tensors, JSON for the rest, written atomically.
+"""Checkpoint files: safetensors for tensors, JSON for the rest, written atomically and verified.
 
 Single-process and DDP checkpoints load no pickle (nothing in them can execute code). FSDP checkpoints
 are written by torch.distributed.checkpoint into ``dcp/``: tensors as raw shards, but its ``.metadata``
 file is pickled by torch, so resume an FSDP checkpoint only from a folder you trust.
 
 Layout of OUTPUT_DIR/checkpoints/step-N/:
-  model.safetensors        trainable weights (LoRA: the adapters alone)
-  optimizer.safetensors    optimizer state tensors, keyed "<param index>.<name>"
+  model.safetensors        trainable weights by name (LoRA: the adapters alone)
+  optimizer.safetensors    optimizer state tensors, keyed "<parameter name>/<state name>"
   rng.safetensors          torch CPU (and CUDA) generator states
-  state.json               step, data position, counters, scheduler, optimizer param groups, numpy/python RNG, eval loss
+  state.json               step, data position, counters, world size, accumulation, scheduler, optimizer
+                           param groups, numpy/python RNG, evaluator state (best, patience, history)
   config.yaml              the resolved run config
-  dcp/                     FSDP only: sharded model and optimizer state (instead of the two files above)
-A checkpoint is written into a temporary folder, every file fsynced, then renamed into place; a crash
-mid-write leaves the previous checkpoints untouched (temporary folders are ignored and cleaned).
+  dcp/                     FSDP only: model and optimizer state (instead of the two files above)
+  manifest.json            every other file with its size and sha256, written last
+Names are the parameter names of the model + loss module as torch.distributed.checkpoint's state-dict
+helpers give them, whatever the wrapping (none, DDP, FSDP), so a checkpoint resumes on another world
+size and strategy: safetensors load into any of them, and dcp/ is resharded on load.
+
+A checkpoint is written into a temporary folder, every file fsynced, the manifest written last, then
+renamed into place; a crash mid-write leaves the previous checkpoints untouched (temporary folders are
+ignored and cleaned). Resume verifies the manifest and falls back to the newest intact checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -28,11 +38,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from leansft.core import parallel
 from leansft.core.errors import LeanSFTError
 
+log = logging.getLogger("leansft")
 PREFIX = "step-"
 
 
@@ -44,32 +61,33 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    """The parameters that train (all of them, or the LoRA adapters), by parameter name."""
-    return {n: p.detach().contiguous().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
-def _optimizer_tensors(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = optimizer.state_dict()
+def _model_state(root) -> dict[str, torch.Tensor]:
+    """Trainable weights by name (the LoRA adapters alone for LoRA); gathered from shards under FSDP."""
+    return {k: v.detach().contiguous().clone() for k, v in get_model_state_dict(root, options=_FULL).items()}
+
+
+def _optimizer_state(root, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Optimizer state keyed by parameter name: ("name/state": tensor, {param_groups, scalars})."""
+    sd = get_optimizer_state_dict(root, optimizer, options=_FULL)
     tensors, scalars = {}, {}
-    for idx, st in sd["state"].items():
+    for name, st in sd["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                tensors[f"{idx}.{k}"] = v.detach().contiguous().cpu()
+                tensors[f"{name}/{k}"] = v.detach().contiguous().cpu().clone()
             else:
-                scalars[f"{idx}.{k}"] = v
+                scalars[f"{name}/{k}"] = v
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _load_optimizer(optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    state: dict[int, dict] = {}
-    for key, v in tensors.items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = v
-    for key, v in meta["scalars"].items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = v
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+def _optimizer_dict(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[str, dict] = {}
+    for key, v in {**tensors, **meta["scalars"]}.items():
+        name, k = key.rsplit("/", 1)
+        state.setdefault(name, {})[k] = v
+    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
@@ -94,109 +112,185 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
-def save_checkpoint(folder: Path, step: int, model, optimizer, scheduler, state: dict, config: dict,
-                    sharded_root=None) -> Path:
+def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: dict, config: dict,
+                    sharded: bool = False) -> Path:
     """Write checkpoint ``step`` under ``folder`` atomically; return its path.
 
-    With ``sharded_root`` (the FSDP-wrapped module), every rank writes its shards of the model and
-    optimizer through torch.distributed.checkpoint into ``dcp/``; otherwise rank 0 writes safetensors.
-    Call it on every rank when sharded, on rank 0 alone otherwise.
+    ``root``: the model + loss module as trained (plain, DDP- or FSDP-wrapped). ``sharded`` (FSDP): every
+    rank writes its shards through torch.distributed.checkpoint into ``dcp/``; call it on every rank.
+    Otherwise rank 0 writes safetensors; call it on rank 0 alone. A write that fails (a full disk, say)
+    leaves the earlier checkpoints as they were and raises a clear error.
     """
     final = folder / f"{PREFIX}{step}"
     tmp = folder / f".tmp-{PREFIX}{step}"
     rank = parallel.rank()
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    if sharded_root is not None:
-        parallel.barrier()
     try:
-        if sharded_root is not None:
-            model_sd, optim_sd = get_state_dict(sharded_root, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        if sharded:
+            parallel.barrier()
+            model_sd = get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True))
+            dcp.save({"model": model_sd, "optim": get_optimizer_state_dict(root, optimizer)},
+                     checkpoint_id=str(tmp / "dcp"))
             parallel.barrier()
         if rank == 0:
             opt_meta = None
-            if sharded_root is None:
-                save_file(trainable_state(model), tmp / "model.safetensors")
-                opt_tensors, opt_meta = _optimizer_tensors(optimizer)
+            if not sharded:
+                save_file(_model_state(root), tmp / "model.safetensors")
+                opt_tensors, opt_meta = _optimizer_state(root, optimizer)
                 save_file(opt_tensors, tmp / "optimizer.safetensors")
             rng_tensors, rng_meta = _rng_state()
             save_file(rng_tensors, tmp / "rng.safetensors")
             full_state = {**state, "step": step, "scheduler": scheduler.state_dict(), "optimizer": opt_meta,
-                          "rng": rng_meta, "sharded": sharded_root is not None}
+                          "rng": rng_meta, "sharded": sharded, "world_size": parallel.world_size()}
             (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
             (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-            for f in tmp.rglob("*"):
-                if f.is_file():
-                    with f.open("rb") as fh:
-                        os.fsync(fh.fileno())
-            _fsync_dir(tmp)
+            _write_manifest(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(folder)
+    except OSError as err:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = "the disk is full" if err.errno == errno.ENOSPC else f"{type(err).__name__}: {err}"
+        raise LeanSFTError(f"cannot write checkpoint step-{step}: {why}; the earlier checkpoints are intact",
+                           file=str(folder)) from None
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if sharded_root is not None:
+    if sharded:
         parallel.barrier()
     return final
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, sharded_root=None) -> dict:
-    """Restore weights, optimizer, scheduler and RNG from ``path``; return its state.json."""
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    """fsync every file, then list each with its size and sha256 in manifest.json, written last."""
+    files = sorted(f for f in folder.rglob("*") if f.is_file() and f.name != MANIFEST)
+    for f in files:
+        with f.open("rb") as fh:
+            os.fsync(fh.fileno())
+    entries = {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
+    with (folder / MANIFEST).open("w") as fh:
+        json.dump({"files": entries}, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(folder)
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with checkpoint ``path`` (missing manifest, a file missing, truncated or changed),
+    or None when every file is as the manifest lists it."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"{MANIFEST} missing (an incomplete write, or a checkpoint of an older leansft)"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return f"{MANIFEST} is damaged"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, {want['bytes']} were written"
+        if _sha256(f) != want["sha256"]:
+            return f"{name} does not match its checksum (changed after it was written)"
+    return None
+
+
+def load_checkpoint(path: Path, root, optimizer, scheduler, sharded: bool = False) -> dict:
+    """Restore weights, optimizer, scheduler and RNG from a verified checkpoint; return its state.json.
+
+    Works across world sizes and strategies: safetensors (single process, DDP) load as full state into
+    any wrapping; an FSDP ``dcp/`` checkpoint is resharded to the current ranks, or gathered whole."""
+    problem = damage(path)
+    if problem:
+        raise LeanSFTError(f"damaged checkpoint: {problem}", file=str(path))
     try:
         state = json.loads((path / "state.json").read_text())
         rng = load_file(path / "rng.safetensors")
         if state.get("sharded"):
-            if sharded_root is None:
-                raise LeanSFTError("a sharded (FSDP) checkpoint resumes only under FSDP with the same world size",
-                                   file=str(path))
-            model_sd, optim_sd = get_state_dict(sharded_root, optimizer)
+            opts = StateDictOptions(ignore_frozen_params=True)
+            model_sd = get_model_state_dict(root, options=opts)
+            optim_sd = get_optimizer_state_dict(root, optimizer)
             both = {"model": model_sd, "optim": optim_sd}
             dcp.load(both, checkpoint_id=str(path / "dcp"))
-            set_state_dict(sharded_root, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+            set_model_state_dict(root, both["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(root, optimizer, both["optim"])
         else:
+            meta = state["optimizer"]
+            if meta is None or any(isinstance(p, int) for g in meta["param_groups"] for p in g["params"]):
+                raise LeanSFTError("checkpoint written by an older leansft (optimizer state by index); it cannot "
+                                   "be resumed", file=str(path))
             weights = load_file(path / "model.safetensors")
-            opt = load_file(path / "optimizer.safetensors")
-            _load_weights(model, weights, path)
-            _load_optimizer(optimizer, opt, state["optimizer"])
-    except FileNotFoundError as err:
-        raise LeanSFTError(f"incomplete checkpoint: {err.filename} missing", file=str(path)) from None
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(rng, state["rng"])
+            _check_names(root, weights, path)
+            full = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(root, weights, options=full)
+            set_optimizer_state_dict(root, optimizer, _optimizer_dict(load_file(path / "optimizer.safetensors"), meta),
+                                     options=StateDictOptions(full_state_dict=True))
+        scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(rng, state["rng"])
+    except LeanSFTError:
+        raise
+    except Exception as err:  # noqa: BLE001 - verified files that still do not load: name them, no traceback
+        raise LeanSFTError(f"cannot load checkpoint: {type(err).__name__}: {str(err)[:300]}", file=str(path)) from None
     return state
 
 
-def _load_weights(model, weights: dict[str, torch.Tensor], path: Path) -> None:
-    params = dict(model.named_parameters())
-    unknown = sorted(set(weights) - set(params))
+def _check_names(root, weights: dict[str, torch.Tensor], path: Path) -> None:
+    expected = set(get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True)))
+    unknown = sorted(set(weights) - expected)
     if unknown:
         raise LeanSFTError(f"checkpoint weights do not match the model (e.g. '{unknown[0]}')", file=str(path))
-    with torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value)
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary folders from a crash are not listed)."""
+    """Finished checkpoint folders, oldest first (temporary folders from a crash are not listed)."""
     if not folder.exists():
         return []
-    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").exists()]
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
 def find_resume(output_dir: Path, resume: str) -> Path | None:
-    if resume == "auto":
-        found = list_checkpoints(output_dir / "checkpoints")
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / "state.json").exists():
-        raise LeanSFTError("not a checkpoint folder (no state.json)", file=resume)
-    return path
+    """The checkpoint to resume: ``auto`` = the newest intact one (damaged newer ones are named in the log
+    and skipped), or the given folder, which must be intact. None when ``auto`` finds no checkpoint."""
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise LeanSFTError("not a checkpoint folder", file=resume)
+        problem = damage(path)
+        if problem:
+            raise LeanSFTError(f"damaged checkpoint: {problem}", file=resume)
+        return path
+    found = list_checkpoints(output_dir / "checkpoints")
+    problems = []
+    for path in reversed(found):
+        problem = damage(path)
+        if problem is None:
+            for name, why in problems:
+                log.warning("checkpoint %s is damaged (%s); resuming from %s instead", name, why, path.name)
+            return path
+        problems.append((path.name, problem))
+    if problems:
+        raise LeanSFTError("no intact checkpoint to resume: " + "; ".join(f"{n}: {w}" for n, w in problems),
+                           file=str(output_dir / "checkpoints"))
+    return None
 
 
 def prune(folder: Path, keep_last: int, keep_best: int) -> list[Path]:
@@ -208,7 +302,10 @@ def prune(folder: Path, keep_last: int, keep_best: int) -> list[Path]:
     keep = set(found[-keep_last:]) if keep_last else set()
     scored = []
     for p in found:
-        loss = json.loads((p / "state.json").read_text()).get("eval_loss")
+        try:
+            loss = json.loads((p / "state.json").read_text()).get("eval_loss")
+        except (OSError, ValueError):
+            continue
         if loss is not None:
             scored.append((loss, int(p.name[len(PREFIX):]), p))
     keep |= {p for _, _, p in sorted(scored)[:keep_best]}

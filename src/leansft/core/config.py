@@ -105,6 +105,8 @@ class TrainingConfig(_Strict):
     verify: Verify = Field("fallback", description="before step 1, check the run's forward and loss against the "
                            "plain model: fallback = packed path inexact -> train with sorted (unpacked) batches; "
                            "refuse = stop instead; skip = no check")
+    loss_spike_factor: float | None = Field(10.0, gt=1, description="stop when a step's loss exceeds this "
+                                            "multiple of its running mean (null: never)")
     seed: int = 0
 
 
@@ -139,6 +141,8 @@ class DistributedConfig(_Strict):
 class RunConfig(_Strict):
     model: str = Field(description="model folder, config.json, .gguf file, pkg: path or Hub id")
     tokenizer: str | None = None
+    trust_remote_code: bool = Field(False, description="let transformers run a Hub model's own code (never asked "
+                                    "on stdin)")
     output_dir: str = "runs/leansft"
     data: DataConfig = Field(default_factory=DataConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)

@@ -20,15 +20,16 @@ from leansft.core.paths import default_cache_dir, resolve_package_path
 log = logging.getLogger("leansft")
 
 
-def load_model_config(spec: str):
+def load_model_config(spec: str, trust_remote_code: bool = False):
     """A transformers config; wraps every failure in a ``ModelError`` naming ``spec``."""
     path = Path(spec)
     try:
         if path.is_file() and path.suffix == ".gguf":
-            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code)
         if path.is_file():
-            return AutoConfig.from_pretrained(str(path))
-        return AutoConfig.from_pretrained(spec, local_files_only=path.exists())
+            return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(spec, local_files_only=path.exists(),
+                                          trust_remote_code=trust_remote_code)
     except Exception as err:
         raise ModelError(f"cannot load model config: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
 
@@ -47,8 +48,9 @@ def gguf_to_hf(gguf: Path, cache_dir: Path) -> Path:
 
 def _convert_gguf(gguf: Path, out: Path) -> Path:
     try:
-        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                   trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
     except Exception as err:
         raise ModelError(f"cannot read GGUF model: {type(err).__name__}: {str(err)[:300]}", file=str(gguf)) from None
     cfg = src.config
@@ -72,13 +74,15 @@ def resolve_model_path(spec: str, cache_dir: Path) -> str:
     return spec
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None):
+def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None,
+               trust_remote_code: bool = False):
     """A causal LM in ``dtype``; any failure becomes a ``ModelError`` naming ``spec``."""
 
     spec = resolve_model_path(spec, Path(cache_dir or default_cache_dir()))
     path = Path(spec)
     try:
-        return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=path.exists())
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=path.exists(),
+                                                    trust_remote_code=trust_remote_code)
     except Exception as err:
         where = "local model" if path.exists() else "model (no local path of that name; tried the Hub)"
         raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec) from None

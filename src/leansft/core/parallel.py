@@ -53,12 +53,16 @@ def barrier() -> None:
 
 @contextlib.contextmanager
 def rank_zero_first():
-    """Rank 0 runs the block first (e.g. builds the tokenisation cache); the others then reuse it."""
+    """Rank 0 runs the block first (e.g. builds the tokenisation cache); the others then reuse it. If it
+    fails on rank 0, the others are released all the same and meet the same error themselves, so every
+    rank stops with one clear message instead of hanging at the barrier."""
     if rank() != 0:
         barrier()
-    yield
-    if rank() == 0:
-        barrier()
+    try:
+        yield
+    finally:
+        if rank() == 0:
+            barrier()
 
 
 def all_reduce_sum(value, device: torch.device):

@@ -57,7 +57,7 @@ def model_location(cfg: RunConfig) -> str:
 def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: str | None = None):
     """The model in fp32 on ``device``, with gradient checkpointing, LoRA and the attention backend set.
     Returns (model, attention backend)."""
-    model = load_model(model_path or cfg.model, torch.float32)
+    model = load_model(model_path or cfg.model, torch.float32, trust_remote_code=cfg.trust_remote_code)
     if cfg.training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

@@ -31,6 +31,16 @@ class Evaluator:
         self.should_stop = False
         self.console = Console()
 
+    def state(self) -> dict:
+        """What a checkpoint keeps so early stopping continues exactly after a resume."""
+        return {"last_eval_loss": self.last_eval_loss, "best": self.best, "bad_evals": self.bad_evals,
+                "should_stop": self.should_stop}
+
+    def restore(self, saved: dict) -> None:
+        for key in ("last_eval_loss", "best", "bad_evals", "should_stop"):
+            if key in saved:
+                setattr(self, key, saved[key])
+
     def prompts(self) -> list:
         e = self.cfg.eval
         if e.prompts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from leansft.core.errors import ConfigError
@@ -33,7 +34,22 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint (they will be logged again)."""
-        if not (self.enabled and self.path.exists()):
-            return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
-        self.path.write_text("".join(k + "\n" for k in keep))
+        if self.enabled:
+            truncate_jsonl(self.path, step)
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the records of ``path`` up to ``step``; a torn line (a crash mid-write) is dropped."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            keep.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)

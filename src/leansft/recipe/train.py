@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +41,10 @@ from leansft.recipe.builders import (
     seed_everything,
     verified_strategy,
 )
-from leansft.recipe.checkpointer import Checkpointer
+from leansft.recipe.checkpointer import Checkpointer, resume_point
+from leansft.recipe.divergence import DivergenceGuard
 from leansft.recipe.evaluator import Evaluator
-from leansft.recipe.metrics_log import MetricsLog
+from leansft.recipe.metrics_log import MetricsLog, truncate_jsonl
 from leansft.recipe.progress import ProgressBar
 from leansft.recipe.signals import StopFlag
 from leansft.recipe.throughput import ThroughputWindow
@@ -91,14 +93,15 @@ def train_step(engine: Engine, batches: list, step_targets: int, step: int) -> t
 
 
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
-    """Run training as configured; returns the last logged record."""
+    """Run training as configured; returns the last logged record plus ``stopped`` (by a signal)."""
     parallel.init()
-    cfg = cfg.model_copy(deep=True)  # the strategy may fall back below; the caller's config stays as given
-    rank, world, device, out = parallel.rank(), parallel.world_size(), pick_device(), Path(cfg.output_dir)
+    cfg = cfg.model_copy(deep=True)  # strategy/accumulation may change below; the caller's config stays as given
+    rank, world, device, out = parallel.rank(), parallel.world_size(), pick_device(), check_output_dir(cfg.output_dir)
+    resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world)
     seed_everything(cfg.training.seed)
     model_path = model_location(cfg)
     data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,
-                        truncate=cfg.batching.strategy not in SPLITTING_STRATEGIES)
+                        truncate=cfg.batching.strategy not in SPLITTING_STRATEGIES, trust_remote_code=cfg.trust_remote_code)
     seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
     model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, model_path)
     cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
@@ -108,29 +111,32 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     amp = autocast_dtype(cfg.training.precision, device)
     loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend),
                                 cfg.distributed.strategy, device, mixed_precision=amp is not None)
-    sharded = loss_module if world > 1 and cfg.distributed.strategy == "fsdp" else None
+    sharded = world > 1 and cfg.distributed.strategy == "fsdp"
     optimizer = build_optimizer(cfg, model, device)
     engine = Engine(loss_module, optimizer, build_scheduler(cfg, optimizer, total_steps),
                     [p for _, p in trainable_parameters(model)], device, amp, cfg.training.max_grad_norm,
                     torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
                     if cfg.training.activation_offloading else contextlib.nullcontext(), world)
-    checkpointer = Checkpointer(cfg, out, model, optimizer, engine.scheduler, sharded)
-    state = checkpointer.start(resume)
+    checkpointer = Checkpointer(cfg, out, loss_module, optimizer, engine.scheduler, sharded)
+    state, evaluator_state = checkpointer.load(resume_from)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
     start_run_folder(cfg, out, data, state.step, metrics)
-    evaluator = Evaluator(cfg, model, data, device, amp, out, sharded)
+    evaluator = Evaluator(cfg, model, data, device, amp, out, loss_module if sharded else None)
+    evaluator.restore(evaluator_state)
     window = ThroughputWindow(model, device, cfg.logging.peak_flops, world)
+    guard = DivergenceGuard(model.get_output_embeddings().weight.shape[0], cfg.training.loss_spike_factor)
     log.info("training %d steps, %s batches, %s attention, %s, %s, %d trainable params", total_steps,
              cfg.batching.strategy, model.config._attn_implementation,
              "bf16 autocast" if amp else "fp32", cfg.training.method, sum(p.numel() for p in engine.params))
     last = log_record(metrics, evaluator, None, 0, evaluator.after_step(0, total_steps) if state.step == 0 else None)
     steps = batcher.steps(state.position, cfg.batching.gradient_accumulation)
     with StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) as progress:
-        while state.step < total_steps:
+        while state.step < total_steps and not evaluator.should_stop:
             batches, position = next(steps)
             counts = window.count(batches)
             loss, grad_norm, lr = train_step(engine, batches, counts.targets, state.step + 1)
             state.advance(position, counts)
+            guard.check(state.step, loss, grad_norm)
             progress.update(state.step, loss, lr, counts.real)
             record = None
             if state.step % cfg.logging.log_every == 0 or state.step == total_steps:
@@ -140,14 +146,26 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                 or last
             done = stop.requested or evaluator.should_stop or state.step == total_steps
             if checkpointer.should_save(state.step, done):
-                checkpointer.save(state, evaluator.last_eval_loss)
+                checkpointer.save(state, evaluator.state())
             if stop.requested or evaluator.should_stop:
                 log.warning("stopping at step %d (%s)", state.step, "signal" if stop.requested else "early stopping")
                 break
     if cfg.checkpoint.export and not stop.requested:
         export_final(cfg, model, loss_module, sharded, data, out, model_path)
     parallel.barrier()
-    return last
+    return {**(last or {}), "stopped": stop.requested}
+
+
+def check_output_dir(path: str) -> Path:
+    """The run folder, or a clear error before anything is written (a file there, or not writable)."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise LeanSFTError("output_dir is a file, not a folder", file=path, hint="choose another output_dir")
+    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise LeanSFTError(f"cannot write under {probe} (permission denied)", file=path,
+                           hint="choose a writable output_dir")
+    return out
 
 
 def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int, metrics: MetricsLog) -> None:
@@ -156,10 +174,11 @@ def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int, m
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         (out / "data_report.json").write_text(json.dumps(data.report.as_dict(), indent=1))
-        if step == 0:
-            for stale in ("metrics.jsonl", "samples.jsonl"):
-                (out / stale).unlink(missing_ok=True)
-        metrics.truncate_after(step)
+        for log_file in ("metrics.jsonl", "samples.jsonl"):  # a fresh run starts fresh logs; a resumed one
+            if step == 0:                                    # keeps what came before its checkpoint
+                (out / log_file).unlink(missing_ok=True)
+            else:
+                truncate_jsonl(out / log_file, step)
     parallel.barrier()
 
 
@@ -176,10 +195,11 @@ def log_record(metrics: MetricsLog, evaluator: Evaluator, record: dict | None, s
     return record
 
 
-def export_final(cfg: RunConfig, model, loss_module, sharded, data: PreparedData, out: Path, model_path: str) -> None:
+def export_final(cfg: RunConfig, model, loss_module, sharded: bool, data: PreparedData, out: Path,
+                 model_path: str) -> None:
     """A plain Hugging Face folder at OUTPUT_DIR/final (FSDP: shards gathered into a copy on rank 0)."""
     plain = model
-    if sharded is not None:
+    if sharded:
         full = full_state_dict(loss_module)  # a collective: every rank
         if parallel.rank() == 0:
             plain, _ = build_model(cfg, torch.device("cpu"), True, model_path)
@@ -189,9 +209,13 @@ def export_final(cfg: RunConfig, model, loss_module, sharded, data: PreparedData
         log.info("exported %s", out / "final")
 
 
+EXIT_STOPPED = 3  # stopped by SIGINT/SIGTERM after saving a checkpoint (resume with --resume auto)
+
+
 def main_train(cfg: RunConfig, resume: str | None) -> int:
+    """0: finished (and exported); EXIT_STOPPED: stopped by a signal with a checkpoint saved."""
     try:
-        train(cfg, resume)
+        result = train(cfg, resume)
     finally:
         parallel.shutdown()
-    return 0
+    return EXIT_STOPPED if result.get("stopped") else 0

@@ -45,6 +45,8 @@ from leansft.tools.run_report import write_report
 from leansft.tools.show_mask import print_examples
 from leansft.tools.stats import lognormal_lengths, plan_summary
 
+EXIT_ERROR = 2  # a clear error (bad input, config, model, divergence); EXIT_STOPPED (3): stopped by a signal
+
 
 def default(model, name: str):
     """A config model field's default: the CLI's default for the same setting."""
@@ -331,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except LeanSFTError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank stops; one says why
+            print(f"error: {err}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

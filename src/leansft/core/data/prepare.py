@@ -36,13 +36,13 @@ def split_eval(data: TokenizedDataset, fraction: float, seed: int) -> tuple[Toke
 
 
 def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncate: bool = True,
-                 holdout: bool = True) -> PreparedData:
+                 holdout: bool = True, trust_remote_code: bool = False) -> PreparedData:
     """Tokenise ``cfg.sources`` with the tokenizer's (or the configured) template.
 
     ``truncate``: cut examples at ``cfg.max_length`` (False for plans and for strategies that split
     long examples themselves). ``holdout``: set aside ``cfg.eval_file`` or an ``eval_split`` fraction.
     """
-    tokenizer = load_tokenizer(tokenizer_spec)
+    tokenizer = load_tokenizer(tokenizer_spec, trust_remote_code)
     template = resolve_template(tokenizer, cfg.template)
     eval_data = None
     with parallel.rank_zero_first():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +19,21 @@ from leansft.core.errors import DataError
 LOCAL_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv"}
 
 
+def _not_utf8(path: Path, err: UnicodeDecodeError, offset: int, row: int | None) -> DataError:
+    return DataError(f"not UTF-8 text: byte 0x{err.object[err.start]:02x} at byte offset {offset + err.start}",
+                     file=str(path), row=row, hint="re-encode the file as UTF-8")
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    """One JSON object per line; lines are decoded one by one so a bad byte names its line and offset."""
+    offset = 0
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, err, offset, lineno) from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -32,9 +45,18 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             yield lineno, row
 
 
+def _read_text(path: Path) -> str:
+    """The whole file as UTF-8 text (a byte-order mark dropped), or an error naming the line and offset."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err, 0, raw.count(b"\n", 0, err.start) + 1) from None
+
+
 def _read_json(path: Path) -> Iterator[tuple[int, dict]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_read_text(path))
     except json.JSONDecodeError as err:
         raise DataError(f"invalid JSON: {err.msg} (line {err.lineno}, column {err.colno})", file=str(path)) from None
     if isinstance(data, dict):
@@ -52,14 +74,21 @@ def _read_json(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def _read_csv(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open("r", encoding="utf-8", newline="") as fh:
-        reader = csv.DictReader(fh)
-        if reader.fieldnames is None:
+    """A header row, then rows of exactly as many fields. Parsed strictly: an unclosed quote or a ragged
+    row is an error naming its line, never rows silently merged. Rows are numbered from 1 after the header."""
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
+    try:
+        header = next(reader, None)
+        if header is None:
             raise DataError("empty CSV file (no header row)", file=str(path))
-        for i, row in enumerate(reader, start=1):
-            if None in row:
-                raise DataError("more values than header columns", file=str(path), row=i)
-            yield i, dict(row)
+        for i, fields in enumerate(reader, start=1):
+            if len(fields) != len(header):
+                raise DataError(f"{len(fields)} fields where the header has {len(header)} (line {reader.line_num})",
+                                file=str(path), row=i, hint="check for an unescaped quote or a missing separator")
+            yield i, dict(zip(header, fields))
+    except csv.Error as err:
+        raise DataError(f"CSV does not parse at line {reader.line_num}: {err}", file=str(path),
+                        hint="an unclosed quote runs to the end of the file") from None
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[int, dict]]:

@@ -11,25 +11,27 @@ from leansft.core.errors import ModelError
 from leansft.core.paths import resolve_package_path
 
 
-def load_tokenizer(spec: str):
-    """Return a fast ``transformers`` tokenizer; any failure becomes a ``ModelError`` naming ``spec``."""
+def load_tokenizer(spec: str, trust_remote_code: bool = False):
+    """Return a fast ``transformers`` tokenizer; any failure becomes a ``ModelError`` naming ``spec``.
+    ``trust_remote_code`` is passed explicitly, so transformers never asks on stdin."""
+    kw = {"trust_remote_code": trust_remote_code}
 
     spec = resolve_package_path(spec)
     path = Path(spec)
     try:
         if path.is_file() and path.suffix == ".gguf":
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
         elif path.is_file() and path.suffix == ".json":
             if (path.parent / "tokenizer_config.json").exists() and path.name == "tokenizer.json":
-                tok = AutoTokenizer.from_pretrained(str(path.parent), local_files_only=True)
+                tok = AutoTokenizer.from_pretrained(str(path.parent), local_files_only=True, **kw)
             else:
                 tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
         elif path.is_dir():
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kw)
         elif path.exists():
             raise ModelError("not a tokenizer: expected a folder, a tokenizer.json or a .gguf file", file=spec)
         else:
-            tok = AutoTokenizer.from_pretrained(spec)
+            tok = AutoTokenizer.from_pretrained(spec, **kw)
     except ModelError:
         raise
     except Exception as err:

@@ -1,0 +1,274 @@
+"""When things go wrong: damaged checkpoints, interrupted runs, bad input, divergence, exit codes.
+
+Each case goes through the CLI where a user meets it: a fallback or one clear error (exit 2), never a
+traceback and never a silently wrong resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import run_config, write_jsonl
+from safetensors.torch import load_file
+
+from leansft.core import checkpoint as ckpt
+from leansft.core.data.sources import read_rows
+from leansft.core.errors import DataError, LeanSFTError
+from leansft.recipe.train import EXIT_STOPPED, train
+from leansft.tools.cli import main
+
+pytestmark = pytest.mark.slow  # each test trains a tiny model end to end
+
+
+def config_file(tmp_path: Path, assets: dict, *overrides: str) -> str:
+    cfg = run_config(tmp_path, assets, *overrides)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    return str(path)
+
+
+def records(run: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(ln) for ln in (run / name).read_text().splitlines()]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_run_assets):
+    """An uninterrupted 6-step run saving every 2 steps: its losses and checkpoints."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = run_config(tmp, tiny_run_assets, "checkpoint.save_every=2", "checkpoint.keep_last=5")
+    train(cfg)
+    return Path(cfg.output_dir)
+
+
+DAMAGE = {
+    "model truncated": ("model.safetensors", lambda b: b[: len(b) // 2]),
+    "model garbled": ("model.safetensors", lambda b: b[:100] + bytes(len(b) - 100)),
+    "model other finite values": ("model.safetensors", lambda b: b[:-64] + bytes(range(64))),
+    "optimizer truncated": ("optimizer.safetensors", lambda b: b[:10]),
+    "rng garbled": ("rng.safetensors", lambda b: b"x" * len(b)),
+    "state empty": ("state.json", lambda b: b""),
+    "state truncated": ("state.json", lambda b: b[: len(b) // 2]),
+    "state binary": ("state.json", lambda b: bytes(range(256))),
+    "state deleted": ("state.json", None),
+    "manifest deleted": ("manifest.json", None),
+    "manifest garbled": ("manifest.json", lambda b: b"{not json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tiny_run_assets, reference, case, caplog):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    for f in ("metrics.jsonl", "samples.jsonl"):
+        (run / f).unlink(missing_ok=True)
+    name, change = DAMAGE[case]
+    target = run / "checkpoints" / "step-4" / name
+    if change is None:
+        target.unlink()
+    else:
+        target.write_bytes(change(target.read_bytes()))
+    path = config_file(tmp_path, tiny_run_assets, "checkpoint.save_every=2", "checkpoint.keep_last=5")
+    text = yaml.safe_load(Path(path).read_text())
+    text["output_dir"] = str(run)
+    Path(path).write_text(yaml.safe_dump(text))
+    assert main(["train", path, "--resume", "auto"]) == 0
+    assert "step-4 is damaged" in caplog.text and "resuming from step-2" in caplog.text
+    got = losses(run)
+    assert sorted(got) == [3, 4, 5, 6] and all(got[k] == losses(reference)[k] for k in got)  # bitwise
+
+
+def test_no_intact_checkpoint_is_one_clear_error(tmp_path, tiny_run_assets, reference, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    for step in (2, 4, 6):
+        (run / "checkpoints" / f"step-{step}" / "optimizer.safetensors").write_bytes(b"")
+    path = config_file(tmp_path, tiny_run_assets)
+    text = yaml.safe_load(Path(path).read_text())
+    text["output_dir"] = str(run)
+    Path(path).write_text(yaml.safe_dump(text))
+    assert main(["train", path, "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "no intact checkpoint to resume" in err and "optimizer.safetensors has 0 bytes" in err
+    assert "Traceback" not in err
+    assert main(["train", path, "--resume", str(run / "checkpoints" / "step-2")]) == 2  # named: no silent fallback
+    assert "damaged checkpoint" in capsys.readouterr().err
+
+
+def test_early_stopping_samples_and_metrics_survive_an_interruption(tmp_path, tiny_run_assets):
+    common = ["training.max_steps=12", "training.learning_rate=0.3", "training.schedule=constant",
+              "data.eval_split=0.1", "eval.eval_every=1", "eval.early_stopping_patience=2", "eval.samples_every=2",
+              "eval.max_new_tokens=2", "checkpoint.save_every=1", "checkpoint.keep_last=20",
+              "training.loss_spike_factor=null", "checkpoint.export=true"]
+    whole = run_config(tmp_path / "a", tiny_run_assets, *common)
+    train(whole)
+    stop_at = max(losses(Path(whole.output_dir)))
+    assert stop_at < 12  # early stopping ended it
+    cut = run_config(tmp_path / "b", tiny_run_assets, *common)
+    train(cut)
+    run = Path(cut.output_dir)
+    shutil.rmtree(run / "final", ignore_errors=True)
+    keep = max(stop_at - 2, 1)
+    for p in ckpt.list_checkpoints(run / "checkpoints"):
+        if int(p.name.split("-")[1]) > keep:
+            shutil.rmtree(p)
+    with (run / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 99, "loss": 1.0, "torn')  # a crash mid-line
+    train(cut, resume="auto")
+    assert losses(run) == losses(Path(whole.output_dir))  # stops at the same step, same losses
+    steps = [r["step"] for r in records(run) if "loss" in r]
+    assert steps == sorted(set(steps))  # no duplicates
+    samples = [(r["step"], r["prompt"]) for r in records(run, "samples.jsonl")]
+    assert len(samples) == len(set(samples)) == len(records(Path(whole.output_dir), "samples.jsonl"))
+    a = load_file(Path(whole.output_dir) / "final" / "model.safetensors")
+    b = load_file(run / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_inputs_are_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl: row 2: not UTF-8 text: byte 0xe9 at byte offset 30"):
+        list(read_rows(str(bad)))
+    csv_bad = tmp_path / "bad.csv"
+    csv_bad.write_bytes(b"instruction,output\nhi,there\nx,\xff\n")
+    with pytest.raises(DataError, match="bad.csv: row 3: not UTF-8 text"):
+        list(read_rows(str(csv_bad)))
+    unclosed = tmp_path / "unclosed.csv"
+    unclosed.write_text('instruction,output\na,b\n"c,d\ne,f\ng,h\ni,j\n')
+    with pytest.raises(DataError, match="unclosed.csv: CSV does not parse at line 6"):
+        list(read_rows(str(unclosed)))
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("instruction,output\na,b\nc\n")
+    with pytest.raises(DataError, match=r"ragged.csv: row 2: 1 fields where the header has 2 \(line 3\)"):
+        list(read_rows(str(ragged)))
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes("instruction,output\na,b\n".encode("utf-8-sig"))
+    assert [r for _, r in read_rows(str(bom))] == [{"instruction": "a", "output": "b"}]
+
+
+def test_output_dir_problems_are_caught_before_anything_is_written(tmp_path, tiny_run_assets, reference, capsys):
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a folder")
+    assert main(["train", config_file(tmp_path, tiny_run_assets, f"output_dir={a_file}")]) == 2
+    assert "output_dir is a file" in capsys.readouterr().err
+    finished = tmp_path / "finished"
+    shutil.copytree(reference, finished)
+    before = {p: p.read_bytes() for p in finished.rglob("*") if p.is_file()}
+    assert main(["train", config_file(tmp_path, tiny_run_assets, f"output_dir={finished}",
+                                      "training.learning_rate=1e-4")]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in finished.rglob("*") if p.is_file()} == before  # nothing was changed
+
+
+def test_divergence_stops_the_run_naming_the_step(tmp_path, tiny_run_assets, capsys):
+    path = config_file(tmp_path, tiny_run_assets, "training.learning_rate=1e6", "training.max_steps=20",
+                       "checkpoint.export=true", "training.warmup_steps=0")
+    assert main(["train", path]) == 2
+    err = capsys.readouterr().err
+    assert "stopped learning at step" in err or "loss spike at step" in err
+    assert "learning_rate" in err and not (tmp_path / "run" / "final").exists()
+
+
+def test_exit_codes_finished_stopped_failed(tmp_path, tiny_run_assets):
+    path = config_file(tmp_path, tiny_run_assets, "training.max_steps=400", "checkpoint.save_every=1000")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "leansft", "train", path], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    for line in proc.stdout:
+        if line.startswith("step 3 "):
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED
+    assert len(ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")) == 1
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_trust_remote_code_is_always_explicit(tmp_path, tiny_run_assets, monkeypatch):
+    import transformers
+
+    seen = []
+    for cls in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        real = cls.from_pretrained.__func__
+
+        def spy(klass, *a, _real=real, **kw):
+            seen.append(kw.get("trust_remote_code"))
+            return _real(klass, *a, **kw)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+    train(run_config(tmp_path, tiny_run_assets, "training.max_steps=1"))
+    assert seen and all(v is False for v in seen)
+
+
+def test_data_error_under_torchrun_is_one_message(tmp_path, tiny_run_assets):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "bot", "content": "x"}]}])
+    path = config_file(tmp_path, tiny_run_assets, f"data.sources=[{bad}]")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "leansft", "train", path],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and out.count("unknown role 'bot'") == 1, out[-3000:]
+    # no rank prints a traceback of its own (torchrun's launcher still reports the failed workers)
+    assert "src/leansft" not in out and "leansft/core" not in out and "leansft/recipe" not in out, out[-3000:]
+
+
+def test_resume_checkpoint_from_an_older_format_is_refused(tmp_path, tiny_run_assets, reference):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    state = run / "checkpoints" / "step-6" / "state.json"
+    data = json.loads(state.read_text())
+    data["optimizer"]["param_groups"][0]["params"] = [0, 1]
+    state.write_text(json.dumps(data))
+    ckpt._write_manifest(state.parent)  # consistent files, old content
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=8")
+    cfg.output_dir = str(run)
+    with pytest.raises(LeanSFTError, match="older leansft"):
+        train(cfg, resume="auto")
+
+
+def test_chaos_twenty_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
+    """kill -9 at 20 random moments (start-up, mid-step, mid-checkpoint, during export), resuming with
+    --resume auto each time; the final weights equal an uninterrupted run's bit for bit."""
+    import random
+    import time
+
+    common = ["training.max_steps=250", "checkpoint.save_every=1", "checkpoint.keep_last=2", "checkpoint.export=true",
+              "logging.log_every=10"]
+    whole = run_config(tmp_path / "whole", tiny_run_assets, *common)
+    train(whole)
+    path = config_file(tmp_path / "chaos", tiny_run_assets, *common)
+    run = tmp_path / "chaos" / "run"
+    rng, kills, env = random.Random(0), 0, {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "leansft", "train", path, "--resume", "auto"]
+    while True:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        if kills < 20:
+            time.sleep(rng.uniform(0.3, 6.0))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                kills += 1
+                continue
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        break
+    assert kills == 20
+    a = load_file(Path(whole.output_dir) / "final" / "model.safetensors")
+    b = load_file(run / "final" / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(run) == losses(Path(whole.output_dir))
