@@ -140,6 +140,7 @@ def tiny_bloom(folder: Path, tokenizer_dir: str) -> str:
 
     tok = tf.AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
-    tf.BloomForCausalLM(tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=len(tok))).save_pretrained(folder)
+    model = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=len(tok)))
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)

@@ -80,7 +80,8 @@ def _measure(model) -> OutputHead:
         hook.remove()
         model.train(was)
     if len(seen) != 1 or seen[0].shape != final.shape:
-        return OutputHead(softcap=softcap, exact=False, reason="the output module is not applied once to every position")
+        return OutputHead(softcap=softcap, exact=False,
+                          reason="the output module is not applied once to every position")
     z = seen[0].float()
     target = final
     if softcap is not None:

@@ -25,7 +25,8 @@ def load_model_config(spec: str, trust_remote_code: bool = False):
     path = Path(spec)
     try:
         if path.is_file() and path.suffix == ".gguf":
-            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code)
+            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              trust_remote_code=trust_remote_code)
         if path.is_file():
             return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         return AutoConfig.from_pretrained(spec, local_files_only=path.exists(),

@@ -55,7 +55,8 @@ def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int) -> t
         if earlier:  # every rank checks, so all stop together
             raise LeanSFTError(
                 f"output_dir already holds checkpoints of an earlier run (latest {earlier[-1].name})",
-                file=str(out), hint="continue it with --resume auto, or choose another output_dir (nothing was changed)",
+                file=str(out),
+                hint="continue it with --resume auto, or choose another output_dir (nothing was changed)",
             )
         return None, accum
     saved = json.loads((path / "state.json").read_text())

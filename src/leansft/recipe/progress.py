@@ -13,8 +13,9 @@ class ProgressBar:
         console = Console()
         self.bar = None
         if enabled and console.is_terminal:
-            self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                                TimeRemainingColumn(), console=console, transient=True)
+            self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
+                                transient=True)
             self.task = self.bar.add_task("train", total=total, completed=done, info="")
         self.t = time.perf_counter()
 

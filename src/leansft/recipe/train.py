@@ -67,6 +67,14 @@ class Engine:
     world: int
 
 
+def build_engine(cfg: RunConfig, model, loss_module, total_steps: int, device: torch.device, amp, world: int) -> Engine:
+    optimizer = build_optimizer(cfg, model, device)
+    offload = (torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+               if cfg.training.activation_offloading else contextlib.nullcontext())
+    return Engine(loss_module, optimizer, build_scheduler(cfg, optimizer, total_steps),
+                  [p for _, p in trainable_parameters(model)], device, amp, cfg.training.max_grad_norm, offload, world)
+
+
 def train_step(engine: Engine, batches: list, step_targets: int, step: int) -> tuple[float, float, float]:
     """One optimizer step over this rank's micro-batches; returns (loss, grad norm, lr).
 
@@ -101,7 +109,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     seed_everything(cfg.training.seed)
     model_path = model_location(cfg)
     data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,
-                        truncate=cfg.batching.strategy not in SPLITTING_STRATEGIES, trust_remote_code=cfg.trust_remote_code)
+                        truncate=cfg.batching.strategy not in SPLITTING_STRATEGIES,
+                        trust_remote_code=cfg.trust_remote_code)
     seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
     model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, model_path)
     cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
@@ -112,12 +121,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend),
                                 cfg.distributed.strategy, device, mixed_precision=amp is not None)
     sharded = world > 1 and cfg.distributed.strategy == "fsdp"
-    optimizer = build_optimizer(cfg, model, device)
-    engine = Engine(loss_module, optimizer, build_scheduler(cfg, optimizer, total_steps),
-                    [p for _, p in trainable_parameters(model)], device, amp, cfg.training.max_grad_norm,
-                    torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
-                    if cfg.training.activation_offloading else contextlib.nullcontext(), world)
-    checkpointer = Checkpointer(cfg, out, loss_module, optimizer, engine.scheduler, sharded)
+    engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
+    checkpointer = Checkpointer(cfg, out, loss_module, engine.optimizer, engine.scheduler, sharded)
     state, evaluator_state = checkpointer.load(resume_from)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
     start_run_folder(cfg, out, data, state.step, metrics)
