@@ -128,9 +128,16 @@ class CheckpointConfig(_Strict):
     export: bool = True
 
 
+Tracker = Literal["tensorboard", "wandb", "mlflow"]
+
+
 class LoggingConfig(_Strict):
     log_every: int = Field(1, gt=0)
-    tensorboard: bool = False
+    trackers: list[Tracker] = Field(default_factory=list, description="experiment trackers, any subset")
+    tensorboard: bool = Field(False, description="the same as listing tensorboard in trackers")
+    project: str = Field("leansft", description="tracker project (W&B) / experiment (MLflow) name")
+    run_name: str | None = Field(None, description="tracker run name (default: the output folder's name)")
+    mlflow_tracking_uri: str | None = Field(None, description="default: a file store in OUTPUT_DIR/mlruns")
     peak_flops: float | None = Field(None, gt=0, description="device peak FLOP/s for MFU when not known")
 
 

@@ -1,4 +1,5 @@
-"""OUTPUT_DIR/metrics.jsonl: one JSON object per logged step, appended across resumes; TensorBoard optional."""
+"""OUTPUT_DIR/metrics.jsonl: one JSON object per logged step, appended across resumes; each record also
+goes to the configured experiment trackers."""
 
 from __future__ import annotations
 
@@ -6,31 +7,20 @@ import json
 import os
 from pathlib import Path
 
-from leansft.core.errors import ConfigError
+from leansft.recipe.trackers import Trackers
 
 
 class MetricsLog:
-    def __init__(self, path: Path, enabled: bool = True, tensorboard: bool = False) -> None:
-        self.path, self.enabled = path, enabled
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("logging.tensorboard needs the tensorboard package (pip install tensorboard)",
-                                  field="logging.tensorboard") from None
-            self.tb = SummaryWriter(str(path.parent / "tensorboard"))
+    def __init__(self, path: Path, enabled: bool = True, trackers: Trackers | None = None) -> None:
+        self.path, self.enabled, self.trackers = path, enabled, trackers
 
     def write(self, record: dict | None) -> None:
         if not self.enabled or record is None:
             return
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
-            self.tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint (they will be logged again)."""

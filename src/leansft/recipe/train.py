@@ -45,9 +45,12 @@ from leansft.recipe.checkpointer import Checkpointer, resume_point
 from leansft.recipe.divergence import DivergenceGuard
 from leansft.recipe.evaluator import Evaluator
 from leansft.recipe.metrics_log import MetricsLog, truncate_jsonl
+from leansft.recipe.model_card import write_model_card
 from leansft.recipe.progress import ProgressBar
+from leansft.recipe.report import read_jsonl, write_report
 from leansft.recipe.signals import StopFlag
 from leansft.recipe.throughput import ThroughputWindow
+from leansft.recipe.trackers import Trackers
 
 log = logging.getLogger("leansft")
 
@@ -124,8 +127,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
     checkpointer = Checkpointer(cfg, out, loss_module, engine.optimizer, engine.scheduler, sharded)
     state, evaluator_state = checkpointer.load(resume_from)
-    metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
-    start_run_folder(cfg, out, data, state.step, metrics)
+    start_run_folder(cfg, out, data, state.step)
+    trackers = Trackers(cfg, out, enabled=rank == 0)
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, trackers=trackers)
     evaluator = Evaluator(cfg, model, data, device, amp, out, loss_module if sharded else None)
     evaluator.restore(evaluator_state)
     window = ThroughputWindow(model, device, cfg.logging.peak_flops, world)
@@ -157,6 +161,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                 break
     if cfg.checkpoint.export and not stop.requested:
         export_final(cfg, model, loss_module, sharded, data, out, model_path)
+    if rank == 0:
+        finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stop.requested)
     parallel.barrier()
     return {**(last or {}), "stopped": stop.requested}
 
@@ -173,7 +179,7 @@ def check_output_dir(path: str) -> Path:
     return out
 
 
-def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int, metrics: MetricsLog) -> None:
+def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int) -> None:
     """Rank 0 writes the resolved config and data report; logs restart with a fresh run or resume at ``step``."""
     if parallel.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -185,6 +191,21 @@ def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int, m
             else:
                 truncate_jsonl(out / log_file, step)
     parallel.barrier()
+
+
+def finish_run_folder(cfg: RunConfig, out: Path, trackers: Trackers, exported: bool) -> None:
+    """The run's report, and the model card of the export; both (and the data report) go to the trackers."""
+    records, samples = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "samples.jsonl")
+    files = [out / "data_report.json"]
+    if any("loss" in r for r in records):
+        files += write_report(out, quiet=True)
+    if exported:
+        report = json.loads((out / "data_report.json").read_text())
+        files.append(write_model_card(cfg, out, out / "final", records, samples, report))
+    trackers.samples(samples)
+    for f in files:
+        trackers.artifact(f)
+    trackers.finish()
 
 
 def log_record(metrics: MetricsLog, evaluator: Evaluator, record: dict | None, step: int,

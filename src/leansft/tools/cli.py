@@ -37,11 +37,11 @@ from leansft.core.errors import LeanSFTError
 from leansft.core.evaluation import evaluate
 from leansft.core.generation import generate
 from leansft.core.models import load_model, load_model_config
+from leansft.recipe.report import write_report
 from leansft.recipe.train import main_train
 from leansft.tools.doctor import run_doctor
 from leansft.tools.memory import ModelShape, estimate_memory
 from leansft.tools.plan_report import plot_lengths, print_plan
-from leansft.tools.run_report import write_report
 from leansft.tools.show_mask import print_examples
 from leansft.tools.stats import lognormal_lengths, plan_summary
 

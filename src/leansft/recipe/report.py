@@ -1,4 +1,7 @@
-"""`leansft report RUN_DIR`: loss/lr/throughput plots and a one-page Markdown summary of a run."""
+"""A run's report: loss/lr/throughput plots and a one-page Markdown summary (report.png, report.md).
+
+Written at the end of training (and handed to the trackers); ``leansft report RUN_DIR`` rewrites it and
+prints the before/after summary."""
 
 from __future__ import annotations
 
@@ -10,19 +13,26 @@ from rich.console import Console
 from leansft.core.errors import LeanSFTError
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a jsonl log (a torn line from a crash is skipped)."""
     if not path.exists():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
-def write_report(run: Path) -> list[Path]:
+def write_report(run: Path, quiet: bool = False) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = _read_jsonl(run / "metrics.jsonl")
+    records = read_jsonl(run / "metrics.jsonl")
     if not records:
         raise LeanSFTError("no metrics.jsonl (or it is empty): not a leansft run folder", file=str(run))
     train = [r for r in records if "loss" in r]
@@ -62,7 +72,7 @@ def write_report(run: Path) -> list[Path]:
         lines.append(f"| first eval_loss | {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) |")
         lines.append(f"| last eval_loss | {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']}) |")
         lines.append(f"| best eval_loss | {best['eval_loss']:.4f} (step {best['step']}) |")
-    samples = _read_jsonl(run / "samples.jsonl")
+    samples = read_jsonl(run / "samples.jsonl")
     if samples:
         step = samples[-1]["step"]
         lines += ["", f"## Last samples (step {step})", ""]
@@ -74,7 +84,8 @@ def write_report(run: Path) -> list[Path]:
         lines += ["", "## Config", "", "```yaml", cfg.read_text().rstrip(), "```"]
     md = run / "report.md"
     md.write_text("\n".join(lines) + "\n")
-    print_summary(train, evals, samples)
+    if not quiet:
+        print_summary(train, evals, samples)
     return [png, md]
 
 

@@ -1,0 +1,148 @@
+"""Experiment trackers: TensorBoard, Weights & Biases, MLflow. Rank 0 only.
+
+Every metrics.jsonl record goes to each tracker with the same keys and step; the resolved config is
+logged as parameters; samples as a table (W&B) or an artifact (MLflow); the final report and model card
+as artifacts. A tracker whose package is missing is a clear error naming the pip install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from leansft.core.config import RunConfig
+from leansft.core.errors import ConfigError
+
+
+def _missing(name: str, package: str) -> ConfigError:
+    return ConfigError(f"logging.trackers '{name}' needs the {package} package (pip install {package}, or "
+                       "pip install 'leansft[trackers]')", field="logging.trackers")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v if isinstance(v, (int, float, str, bool)) or v is None else json.dumps(v)
+    return out
+
+
+class TensorBoard:
+    def __init__(self, cfg: RunConfig, out: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise _missing("tensorboard", "tensorboard") from None
+        self.writer = SummaryWriter(str(out / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(k, v, record["step"])
+        self.writer.flush()
+
+    def samples(self, rows: list[dict]) -> None:
+        pass
+
+    def artifact(self, path: Path) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class Wandb:
+    """W&B run in OUTPUT_DIR/wandb; offline when WANDB_MODE=offline (no account or network needed)."""
+
+    def __init__(self, cfg: RunConfig, out: Path) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise _missing("wandb", "wandb") from None
+        self.wandb = wandb
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(project=cfg.logging.project, name=cfg.logging.run_name or out.name, dir=str(out),
+                              config=cfg.model_dump(mode="json"), reinit="finish_previous")
+
+    def log(self, record: dict) -> None:
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def samples(self, rows: list[dict]) -> None:
+        table = self.wandb.Table(columns=["step", "prompt", "answer"],
+                                 data=[[r["step"], r["prompt"], r["answer"]] for r in rows])
+        self.run.log({"samples": table}, step=rows[-1]["step"])
+
+    def artifact(self, path: Path) -> None:
+        self.run.save(str(path), base_path=str(path.parent), policy="now")
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class Mlflow:
+    """MLflow run; ``logging.mlflow_tracking_uri`` (default: a local file store in OUTPUT_DIR/mlruns)."""
+
+    def __init__(self, cfg: RunConfig, out: Path) -> None:
+        try:
+            import mlflow
+        except ImportError:
+            raise _missing("mlflow", "mlflow-skinny") from None
+        uri = cfg.logging.mlflow_tracking_uri or (out / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):  # a local file store: no server, no database
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(cfg.logging.project)
+        self.run = mlflow.start_run(run_name=cfg.logging.run_name or out.name)
+        mlflow.log_params(flatten(cfg.model_dump(mode="json")))
+        self.out = out
+
+    def log(self, record: dict) -> None:
+        values = {k: float(v) for k, v in record.items()
+                  if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.mlflow.log_metrics(values, step=record["step"])
+
+    def samples(self, rows: list[dict]) -> None:
+        pass  # samples.jsonl goes up as an artifact at the end
+
+    def artifact(self, path: Path) -> None:
+        self.mlflow.log_artifact(str(path))
+
+    def finish(self) -> None:
+        samples = self.out / "samples.jsonl"
+        if samples.exists():
+            self.mlflow.log_artifact(str(samples))
+        self.mlflow.end_run()
+
+
+TRACKERS = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": Mlflow}
+
+
+class Trackers:
+    """All configured trackers as one (nothing at all on ranks other than 0)."""
+
+    def __init__(self, cfg: RunConfig, out: Path, enabled: bool) -> None:
+        names = list(dict.fromkeys(cfg.logging.trackers + (["tensorboard"] if cfg.logging.tensorboard else [])))
+        self.items = [TRACKERS[n](cfg, out) for n in names] if enabled else []
+
+    def log(self, record: dict) -> None:
+        for t in self.items:
+            t.log(record)
+
+    def samples(self, rows: list[dict]) -> None:
+        for t in self.items:
+            if rows:
+                t.samples(rows)
+
+    def artifact(self, path: Path) -> None:
+        for t in self.items:
+            if path.exists():
+                t.artifact(path)
+
+    def finish(self) -> None:
+        for t in self.items:
+            t.finish()

@@ -1,0 +1,115 @@
+"""Into the tools people use: MLflow and W&B (offline) tracked for real, the model card, GGUF out, and
+the show-mask page."""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import run_config
+
+from leansft.core.errors import ConfigError
+from leansft.recipe.train import train
+
+pytestmark = pytest.mark.slow  # trains a tiny model end to end
+
+
+def wandb_records(run_file: str) -> list:
+    """Records of an offline W&B run file (a LevelDB-style log of protobuf records, 32 KiB blocks)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(run_file).read_bytes()
+    pos, block, out, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(buf)
+            out.append(record)
+            buf = b""
+    return out
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory, tiny_run_assets):
+    tmp = tmp_path_factory.mktemp("tracked")
+    base = tmp / "base"
+    shutil.copytree(tiny_run_assets["model"], base)
+    (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WANDB_MODE", "offline")
+    cfg = run_config(tmp, {**tiny_run_assets, "model": str(base)}, "training.max_steps=4", "checkpoint.export=true",
+                     "data.eval_split=0.1", "eval.eval_every=2", "eval.samples_every=4", "eval.max_new_tokens=3",
+                     "logging.trackers=[mlflow, wandb]", "logging.run_name=tiny-sft")
+    train(cfg)
+    mp.undo()
+    return cfg, Path(cfg.output_dir)
+
+
+def test_mlflow_reads_back_params_metrics_and_artifacts(tracked_run):
+    from mlflow.tracking import MlflowClient
+
+    cfg, run = tracked_run
+    client = MlflowClient((run / "mlruns").resolve().as_uri())
+    (exp,) = [e for e in client.search_experiments() if e.name == "leansft"]
+    (r,) = client.search_runs([exp.experiment_id])
+    assert r.info.run_name == "tiny-sft"
+    assert r.data.params["training.max_steps"] == "4" and r.data.params["data.max_length"] == "192"
+    logged = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "loss")}
+    ours = {x["step"]: x["loss"] for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in x}
+    assert logged == pytest.approx(ours)
+    assert [m.step for m in client.get_metric_history(r.info.run_id, "eval_loss")] == [0, 2, 4]
+    artifacts = {a.path for a in client.list_artifacts(r.info.run_id)}
+    assert {"README.md", "report.md", "data_report.json", "samples.jsonl"} <= artifacts
+
+
+def test_wandb_offline_run_holds_history_config_and_samples(tracked_run):
+    cfg, run = tracked_run
+    (run_file,) = glob.glob(str(run / "wandb" / "offline-run-*" / "run-*.wandb"))
+    records = wandb_records(run_file)
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    losses = {h["_step"]: h["loss"] for h in history if "loss" in h}
+    ours = {x["step"]: x["loss"] for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in x}
+    assert losses == pytest.approx(ours)
+    assert any(h.get("samples/_type") == "table-file" for h in history)
+    (start,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {i.key: json.loads(i.value_json) for i in start.config.update}
+    assert config["training"]["max_steps"] == 4 and start.display_name == "tiny-sft"
+    files = {Path(f).name for f in glob.glob(str(run / "wandb" / "offline-run-*" / "files" / "*"))}
+    assert {"README.md", "report.md", "data_report.json"} <= files
+
+
+def test_model_card_says_what_the_model_is(tracked_run):
+    cfg, run = tracked_run
+    text = (run / "final" / "README.md").read_text()
+    header = yaml.safe_load(re.match(r"---\n(.*?)\n---", text, re.S).group(1))
+    assert header["library_name"] == "transformers" and header["license"] == "apache-2.0"
+    assert "leansft" in header["tags"] and "base_model" not in header  # a local folder is not a Hub id
+    for needle in ("full fine-tuning", "max_length | 192", "bfd", "tokens seen", "final train loss", "eval loss",
+                   "real tokens/s", "alpaca96.jsonl", "rows read", "## Samples", f"leansft train {run / 'config.yaml'}"):
+        assert needle in text, needle
+
+
+def test_a_missing_tracker_package_names_the_install(tmp_path, tiny_run_assets, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ConfigError, match=r"pip install mlflow-skinny"):
+        train(run_config(tmp_path, tiny_run_assets, "logging.trackers=[mlflow]"))
