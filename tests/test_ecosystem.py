@@ -113,3 +113,54 @@ def test_a_missing_tracker_package_names_the_install(tmp_path, tiny_run_assets, 
     monkeypatch.setitem(sys.modules, "mlflow", None)
     with pytest.raises(ConfigError, match=r"pip install mlflow-skinny"):
         train(run_config(tmp_path, tiny_run_assets, "logging.trackers=[mlflow]"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype,tol", [("f32", 1e-5), ("f16", 1e-3)])
+def test_gguf_round_trip_gives_the_same_logits_and_ids(tmp_path, tiny_bpe_path, arch, dtype, tol):
+    import torch
+    import transformers as tf
+    from helpers import CHAT
+
+    from leansft.core.gguf_export import export_gguf
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[arch]
+    torch.manual_seed(0)
+    cfg = cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=arch == "qwen2")
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    path = export_gguf(model, tok, tok.chat_template, tmp_path / f"m-{dtype}.gguf", dtype)
+    back = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    back_tok = tf.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for chat in (CHAT, CHAT[1:3], [{"role": "user", "content": "Write a short poem about the sea, 1 2 3!"}]):
+        text = tok.apply_chat_template(chat, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert back_tok(text, add_special_tokens=False)["input_ids"] == ids
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            assert float((model(x).logits - back(x).logits).abs().max()) < tol
+    assert back_tok.chat_template == tok.chat_template
+
+
+def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
+    """A LoRA run's checkpoint (not only the end of a run) out as GGUF and as a HF folder, LoRA merged."""
+    import torch
+    import transformers as tf
+
+    cfg = run_config(tmp_path, tiny_run_assets, "training.method=lora", "training.lora.r=4", "training.max_steps=2",
+                     "training.learning_rate=1e-2", "checkpoint.export=true")
+    train(cfg)
+    run = Path(cfg.output_dir)
+    from leansft.tools.cli import main
+
+    assert main(["export", str(run), str(tmp_path / "out.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
+    assert main(["export", str(run / "checkpoints" / "step-2"), str(tmp_path / "hf")]) == 0
+    final = tf.AutoModelForCausalLM.from_pretrained(run / "final").eval()
+    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    gg = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="out.gguf", dtype=torch.float32).eval()
+    x = torch.tensor([[1, 5, 9, 30, 200]])
+    with torch.no_grad():
+        ref = final(x).logits
+        assert float((hf(x).logits - ref).abs().max()) < 1e-5
+        assert float((gg(x).logits - ref).abs().max()) < 1e-5

@@ -252,6 +252,24 @@ def load_checkpoint(path: Path, root, optimizer, scheduler, sharded: bool = Fals
     return state
 
 
+def load_weights(path: Path, root) -> dict:
+    """Only the weights of a verified checkpoint into ``root`` (for export); returns its state.json."""
+    problem = damage(path)
+    if problem:
+        raise LeanSFTError(f"damaged checkpoint: {problem}", file=str(path))
+    state = json.loads((path / "state.json").read_text())
+    if state.get("sharded"):
+        model_sd = get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True))
+        both = {"model": model_sd}
+        dcp.load(both, checkpoint_id=str(path / "dcp"))
+        set_model_state_dict(root, both["model"], options=StateDictOptions(strict=False))
+    else:
+        weights = load_file(path / "model.safetensors")
+        _check_names(root, weights, path)
+        set_model_state_dict(root, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    return state
+
+
 def _check_names(root, weights: dict[str, torch.Tensor], path: Path) -> None:
     expected = set(get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True)))
     unknown = sorted(set(weights) - expected)

@@ -36,13 +36,15 @@ from leansft.core.data.tokenizer import load_tokenizer
 from leansft.core.errors import LeanSFTError
 from leansft.core.evaluation import evaluate
 from leansft.core.generation import generate
+from leansft.core.gguf_export import DTYPES as GGUF_DTYPES
 from leansft.core.models import load_model, load_model_config
+from leansft.recipe.export_run import export_source
 from leansft.recipe.report import write_report
 from leansft.recipe.train import main_train
 from leansft.tools.doctor import run_doctor
 from leansft.tools.memory import ModelShape, estimate_memory
 from leansft.tools.plan_report import plot_lengths, print_plan
-from leansft.tools.show_mask import print_examples
+from leansft.tools.show_mask import html_page, print_examples
 from leansft.tools.stats import lognormal_lengths, plan_summary
 
 EXIT_ERROR = 2  # a clear error (bad input, config, model, divergence); EXIT_STOPPED (3): stopped by a signal
@@ -143,6 +145,9 @@ def cmd_show_mask(args) -> int:
     prep = _prepared(args)
     out = print_examples(prep.tokenizer, prep.train, args.n)
     _write_json(args.json, out, indent=None)
+    if args.html:
+        Path(args.html).write_text(html_page(prep.tokenizer, prep.train, args.n, args.max_length), encoding="utf-8")
+        print(f"wrote {args.html}")
     return 0
 
 
@@ -221,6 +226,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    path = export_source(args.source, args.to, args.out, args.dtype)
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_lm_eval(args) -> int:
     """Optional: lm-evaluation-harness on an exported model folder, when the lm-eval package is installed."""
     try:
@@ -282,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--tokenizer", required=True, help="tokenizer folder, tokenizer.json, .gguf, pkg: path or Hub id")
     sm.add_argument("-n", type=_positive, default=3)
     sm.add_argument("--json", default=None)
+    sm.add_argument("--html", default=None, help="write one self-contained page of the first -n examples")
+    sm.add_argument("--max-length", type=_positive, default=None, help="mark examples longer than this truncated")
     sm.set_defaults(func=cmd_show_mask)
 
     t = sub.add_parser("train", help="train as a YAML config says; key=value overrides (training.max_steps=20)")
@@ -316,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="plots and a one-page summary of a run folder")
     r.add_argument("run_dir")
     r.set_defaults(func=cmd_report)
+
+    x = sub.add_parser("export", help="a run (its newest checkpoint), a checkpoint or a model folder out as a "
+                                      "Hugging Face folder or one GGUF file (LoRA merged)")
+    x.add_argument("source", help="OUTPUT_DIR, OUTPUT_DIR/checkpoints/step-N or a model folder (e.g. OUTPUT_DIR/final)")
+    x.add_argument("out", help="the folder (--to hf) or .gguf file (--to gguf) to write")
+    x.add_argument("--to", choices=["hf", "gguf"], default="hf")
+    x.add_argument("--dtype", choices=list(GGUF_DTYPES), default="f16", help="GGUF tensor type (norms stay f32)")
+    x.set_defaults(func=cmd_export)
 
     le = sub.add_parser("lm-eval", help="optional: run lm-evaluation-harness on an exported model (needs lm-eval)")
     le.add_argument("model")

@@ -1,0 +1,62 @@
+"""`leansft export`: any run, checkpoint or model folder out as a Hugging Face folder or one GGUF file.
+
+A run folder means its newest intact checkpoint; a checkpoint is rebuilt from its own config.yaml (base
+model, LoRA settings) and its weights, LoRA merged; a plain model folder (e.g. OUTPUT_DIR/final) is read
+as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from leansft.core import checkpoint as ckpt
+from leansft.core.config import load_config
+from leansft.core.data.masking import ChatTemplate, resolve_template
+from leansft.core.data.tokenizer import load_tokenizer
+from leansft.core.errors import LeanSFTError
+from leansft.core.export import export
+from leansft.core.forward import LossModule
+from leansft.core.gguf_export import export_gguf
+from leansft.core.models import load_model
+from leansft.recipe.builders import build_model, model_location
+
+log = logging.getLogger("leansft")
+
+
+def load_source(source: str):
+    """(model with LoRA merged, tokenizer, chat template, config or None) from a run, checkpoint or model folder."""
+    path = Path(source)
+    if (path / "checkpoints").is_dir():
+        found = ckpt.find_resume(path, "auto")
+        if found is None:
+            raise LeanSFTError("the run has no checkpoint to export", file=source)
+        path = found
+    if (path / "state.json").is_file():
+        cfg = load_config(str(path / "config.yaml"))
+        model_path = model_location(cfg)
+        model, _ = build_model(cfg, torch.device("cpu"), False, model_path)
+        ckpt.load_weights(path, LossModule(model))
+        tokenizer = load_tokenizer(cfg.tokenizer or model_path, cfg.trust_remote_code)
+        template = resolve_template(tokenizer, cfg.data.template)
+        log.info("exporting checkpoint %s", path)
+    elif (path / "config.json").is_file():
+        cfg, model = None, load_model(str(path), torch.float32)
+        tokenizer = load_tokenizer(str(path))
+        template = resolve_template(tokenizer, None) if tokenizer.chat_template else None
+    else:
+        raise LeanSFTError("not a run, checkpoint or model folder", file=source)
+    if hasattr(model, "peft_config"):
+        model = model.merge_and_unload()
+    return model.eval(), tokenizer, template, cfg
+
+
+def export_source(source: str, to: str, out: str, dtype: str = "f16") -> Path:
+    model, tokenizer, template, cfg = load_source(source)
+    target = Path(out)
+    if to == "gguf":
+        return export_gguf(model, tokenizer, template.source if template else None, target, dtype)
+    return export(model, tokenizer, template or ChatTemplate("tokenizer", tokenizer.chat_template or ""), target,
+                  cfg)
