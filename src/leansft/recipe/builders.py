@@ -19,6 +19,7 @@ from leansft.core.attention import choose_backend, use_packed_attention, use_pla
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
+from leansft.core.head import read_output_head
 from leansft.core.models import apply_lora, load_model, resolve_model_path, trainable_parameters
 from leansft.core.paths import cache_dir
 from leansft.core.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
@@ -66,6 +67,7 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
             model.enable_input_require_grads()
         model = apply_lora(model, cfg.training.lora)
     model.to(device)
+    read_output_head(model)  # measured once here, on the plain model, before any wrapping
     if not packed:  # padded batches: the model's own, padding-aware attention
         return model, model.config._attn_implementation
     backend = choose_backend(device, cfg.training.attention)
