@@ -6,6 +6,7 @@ Length filters need token counts and live in dataset.py, after tokenisation.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections import Counter
 
@@ -56,7 +57,7 @@ def scrub(conv: Conversation, counts: Counter) -> Conversation:
     if conv.text is not None:
         return Conversation(text=scrub_text(conv.text, counts), row=conv.row)
     messages = [{**m, "content": scrub_text(m["content"], counts)} for m in conv.messages]
-    return Conversation(messages=messages, row=conv.row)
+    return Conversation(messages=messages, row=conv.row, tools=conv.tools)
 
 
 _SPACES = re.compile(r"\s+")
@@ -66,7 +67,10 @@ def content_hash(conv: Conversation) -> int:
     """64-bit hash of the normalised text (case-folded, whitespace collapsed), roles included."""
     if conv.text is not None:
         parts = ["text", conv.text]
-    else:
-        parts = [f"{m['role']}\x1f{m['content']}" for m in conv.messages]
+    else:  # tool calls and tool definitions are part of what makes two conversations different
+        parts = [f"{m['role']}\x1f{m['content']}\x1f{json.dumps(m.get('tool_calls'), sort_keys=True)}"
+                 for m in conv.messages]
+        if conv.tools:
+            parts.append(json.dumps(conv.tools, sort_keys=True))
     norm = _SPACES.sub(" ", "\x1e".join(parts).casefold()).strip()
     return int.from_bytes(hashlib.blake2b(norm.encode("utf-8"), digest_size=8).digest(), "little", signed=True)

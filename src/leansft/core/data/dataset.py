@@ -30,7 +30,7 @@ from leansft.core.errors import DataError, LeanSFTError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
-CACHE_VERSION = "3"
+CACHE_VERSION = "4"  # 4: tool definitions and tool calls rendered
 BATCH = 1024
 
 

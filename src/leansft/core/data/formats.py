@@ -6,6 +6,7 @@ keys of the first row, says which format it picked, and refuses to guess when se
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,17 +27,20 @@ SHAREGPT_ROLES = {
     "bard": "assistant",
     "tool": "tool",
     "function": "tool",
-    "observation": "tool",
+    "observation": "tool",  # a tool result (LLaMA-Factory / glaive)
+    "function_call": "assistant",  # an assistant tool call: value is {"name": ..., "arguments": ...} as JSON
 }
 
 
 @dataclass
 class Conversation:
-    """One training example before tokenisation. ``text`` is set (and ``messages`` empty) for plain text."""
+    """One training example before tokenisation. ``text`` is set (and ``messages`` empty) for plain text.
+    ``tools``: the row's tool definitions, OpenAI style (``{"type": "function", "function": {...}}``)."""
 
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
     text: str | None = None
     row: int = 0
+    tools: list[dict] | None = None
 
     @property
     def has_assistant(self) -> bool:
@@ -94,6 +98,46 @@ def _check_content(r: _Row, where: str, role: str, content: Any) -> str:
     return content
 
 
+def _json_value(r: _Row, where: str, value: Any) -> Any:
+    """A JSON string parsed (tools columns and tool-call arguments often arrive as strings)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value) if value.strip() else None
+    except json.JSONDecodeError as err:
+        raise r.error(where, f"invalid JSON: {err.msg} (column {err.colno})") from None
+
+
+def row_tools(r: _Row, key: str = "tools") -> list[dict] | None:
+    """Tool definitions: a list of function schemas, or a JSON string of one; bare ``{name, parameters}``
+    schemas are wrapped as OpenAI's ``{"type": "function", "function": ...}``."""
+    value = _json_value(r, key, r.row.get(key))
+    if not value:
+        return None
+    if not isinstance(value, list):
+        raise r.error(key, f"expected a list of tool definitions, got {type(value).__name__}")
+    out = []
+    for i, item in enumerate(value):
+        fn = item.get("function", item) if isinstance(item, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise r.error(f"{key}[{i}]", "expected a function schema with a 'name'")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_call(r: _Row, where: str, call: Any) -> dict:
+    """``{"function": {"name", "arguments"}}`` or ``{"name", "arguments"}``; arguments as an object (templates
+    serialise them themselves), parsed when given as a JSON string."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise r.error(where, "expected a tool call with a function name")
+    args = _json_value(r, f"{where}.arguments", fn.get("arguments", {}))
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args if args is not None else {}}}
+    if isinstance(call, dict) and call.get("id") is not None:
+        out["id"] = call["id"]
+    return out
+
+
 def _message_list(r: _Row, key: str, items: Any, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict]:
     if not isinstance(items, list):
         raise r.error(key, f"expected a list of messages, got {type(items).__name__}")
@@ -110,16 +154,28 @@ def _message_list(r: _Row, key: str, items: Any, role_key: str, content_key: str
         if not isinstance(raw_role, str) or raw_role.lower() not in roles:
             raise r.error(f"{where}.{role_key}", f"unknown role {raw_role!r}; expected one of {sorted(roles)}")
         role = roles[raw_role.lower()]
+        if raw_role.lower() == "function_call":  # sharegpt: the value is the call itself
+            call = _json_value(r, f"{where}.{content_key}", msg.get(content_key))
+            calls = [_tool_call(r, f"{where}.{content_key}", call)]
+            out.append({"role": "assistant", "content": "", "tool_calls": calls})
+            continue
+        calls = msg.get("tool_calls")
+        if role == "assistant" and calls:
+            if not isinstance(calls, list):
+                raise r.error(f"{where}.tool_calls", f"expected a list, got {type(calls).__name__}")
+            calls = [_tool_call(r, f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+            text = msg.get(content_key)
+            text = _text_of_parts(r, f"{where}.{content_key}", text) if isinstance(text, list) else (text or "")
+            out.append({"role": role, "content": text, "tool_calls": calls,
+                        **({"reasoning_content": msg["reasoning_content"]} if msg.get("reasoning_content") else {})})
+            continue
         if content_key not in msg or msg[content_key] is None:
-            if role == "assistant" and msg.get("tool_calls"):
-                out.append({"role": role, "content": "", "tool_calls": msg["tool_calls"]})
-                continue
             raise r.error(f"{where}.{content_key}", "missing")
         content = _check_content(r, f"{where}.{content_key}", role, msg[content_key])
         if role == "system" and not content.strip():
             continue  # an empty system prompt says nothing; templates render it oddly
         new = {"role": role, "content": content}
-        for extra in ("tool_calls", "name", "tool_call_id", "reasoning_content"):
+        for extra in ("name", "tool_call_id", "reasoning_content"):
             if msg.get(extra) is not None:
                 new[extra] = msg[extra]
         out.append(new)
@@ -149,13 +205,13 @@ def from_sharegpt(r: _Row) -> Conversation:
     system = r.text("system", required=False, allow_empty=True)
     if system and system.strip() and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
-    return Conversation(messages=messages)
+    return Conversation(messages=messages, tools=row_tools(r))
 
 
 def from_messages(r: _Row) -> Conversation:
     key = "messages" if "messages" in r.row else "conversations"
     items = r.get(key, types=(list,))
-    return Conversation(messages=_message_list(r, key, items, "role", "content", MESSAGE_ROLES))
+    return Conversation(messages=_message_list(r, key, items, "role", "content", MESSAGE_ROLES), tools=row_tools(r))
 
 
 def from_prompt_completion(r: _Row) -> Conversation:

@@ -93,38 +93,62 @@ class ChatEncoder:
         }
 
     # -- rendering -------------------------------------------------------------------------------
-    def _render(self, convs: list[list[dict]], gen_prompt: bool, rows: list[int]) -> list[str]:
+    def _apply(self, convs: list[list[dict]], gen_prompt: bool, tools: list | None) -> list[str]:
+        return self.tok.apply_chat_template(convs, chat_template=self.template.source, tokenize=False,
+                                            add_generation_prompt=gen_prompt, tools=tools)
+
+    def _render(self, convs: list[list[dict]], gen_prompt: bool, rows: list[int],
+                tools: list[list | None] | None = None) -> list[str]:
+        """Render each conversation (with its row's tool definitions, if any); errors name the row."""
         out: list[str] = [""] * len(convs)
-        idx = [i for i, c in enumerate(convs) if c]
-        if not idx:
-            return out
+        tools = tools or [None] * len(convs)
+        plain = [i for i, c in enumerate(convs) if c and not tools[i]]
         try:
-            texts = self.tok.apply_chat_template(
-                [convs[i] for i in idx], chat_template=self.template.source, tokenize=False,
-                add_generation_prompt=gen_prompt,
-            )
+            if plain:
+                for i, t in zip(plain, self._apply([convs[i] for i in plain], gen_prompt, None)):
+                    out[i] = t
+            for i, c in enumerate(convs):
+                if c and tools[i]:  # one tool list per call: conversations with tools render one by one
+                    (out[i],) = self._apply([c], gen_prompt, tools[i])
         except Exception:
             # Find the conversation that fails so the error can name its row.
-            for i in idx:
+            for i, c in enumerate(convs):
                 try:
-                    self.tok.apply_chat_template(
-                        convs[i], chat_template=self.template.source, tokenize=False, add_generation_prompt=gen_prompt
-                    )
+                    if c:
+                        self._apply([c], gen_prompt, tools[i])
                 except Exception as err:
                     raise TemplateError(
                         f"chat template '{self.template.name}' failed: {type(err).__name__}: {err}", row=rows[i]
                     ) from None
             raise
-        for i, t in zip(idx, texts):
-            out[i] = t
         return out
 
-    def _marker_spans(self, chats: list[list[dict]], rows: list[int]) -> tuple[list[str], list[list[tuple[int, int, int]]]]:
+    def _check_tools(self, texts: list[str], tools: list[list | None], rows: list[int]) -> None:
+        """Tool definitions given to a template that does not render them are an error, not a silent drop."""
+        for text, defs, row in zip(texts, tools, rows):
+            missing = [d["function"]["name"] for d in defs or [] if d["function"]["name"] not in text]
+            if missing:
+                raise TemplateError(
+                    f"chat template '{self.template.name}' does not render the tool definitions (e.g. "
+                    f"'{missing[0]}' is missing): the model would be trained on tool calls without the tools",
+                    row=row, field="tools",
+                    hint="use the model's own chat template with tool support, or drop the tools column")
+
+    def _marker_spans(self, chats: list[list[dict]], rows: list[int], tools: list[list | None]
+                      ) -> tuple[list[str], list[list[tuple[int, int, int]]]]:
+        texts: list[str] = [""] * len(chats)
+        spans: list = [[] for _ in chats]
+        # conversations without tools in one call; each with tools on its own (one tool list per call)
+        groups = [[i for i, d in enumerate(tools) if not d]] + [[i] for i, d in enumerate(tools) if d]
         try:
-            texts, spans = render_jinja_template(
-                conversations=chats, chat_template=self.template.source, return_assistant_tokens_mask=True,
-                add_generation_prompt=False, **self.tok.special_tokens_map,
-            )
+            for group in filter(None, groups):
+                t, sp = render_jinja_template(
+                    conversations=[chats[i] for i in group], chat_template=self.template.source,
+                    return_assistant_tokens_mask=True, add_generation_prompt=False, tools=tools[group[0]],
+                    **self.tok.special_tokens_map,
+                )
+                for i, text, span in zip(group, t, sp):
+                    texts[i], spans[i] = text, span
         except Exception as err:
             raise TemplateError(f"chat template '{self.template.name}' failed: {type(err).__name__}: {err}") from None
         out = []
@@ -134,15 +158,16 @@ class ChatEncoder:
             out.append([(c0, c1, turns[k] if same else -1) for k, (c0, c1) in enumerate(chat_spans)])
         return texts, out
 
-    def _diff_spans(self, chats: list[list[dict]], rows: list[int]) -> tuple[list[str], list[list[tuple[int, int, int]]]]:
-        full = self._render(chats, False, rows)
+    def _diff_spans(self, chats: list[list[dict]], rows: list[int], tools: list[list | None]
+                    ) -> tuple[list[str], list[list[tuple[int, int, int]]]]:
+        full = self._render(chats, False, rows, tools)
         jobs = [(ci, ai) for ci, chat in enumerate(chats) for ai, m in enumerate(chat) if m["role"] == "assistant"]
         job_rows = [rows[ci] for ci, _ in jobs]
-        before = self._render([chats[ci][:ai] for ci, ai in jobs], True, job_rows)
+        before = self._render([chats[ci][:ai] for ci, ai in jobs], True, job_rows, [tools[ci] for ci, _ in jobs])
         # the last message's turn renders as the whole conversation: reuse it instead of rendering again
         inner = [k for k, (ci, ai) in enumerate(jobs) if ai + 1 < len(chats[ci])]
         inner_text = self._render([chats[jobs[k][0]][: jobs[k][1] + 1] for k in inner], False,
-                                  [job_rows[k] for k in inner])
+                                  [job_rows[k] for k in inner], [tools[jobs[k][0]] for k in inner])
         through = [full[ci] for ci, _ in jobs]
         for k, text in zip(inner, inner_text):
             through[k] = text
@@ -230,10 +255,12 @@ class ChatEncoder:
         if chat_idx:
             chats = [convs[i].messages for i in chat_idx]
             rows = [convs[i].row for i in chat_idx]
+            tools = [convs[i].tools for i in chat_idx]
             if self.template.has_generation_markers:
-                texts, spans = self._marker_spans(chats, rows)
+                texts, spans = self._marker_spans(chats, rows, tools)
             else:
-                texts, spans = self._diff_spans(chats, rows)
+                texts, spans = self._diff_spans(chats, rows, tools)
+            self._check_tools(texts, tools, rows)
             for k, (i, e) in enumerate(zip(chat_idx, self._backend.encode_batch(texts, add_special_tokens=False))):
                 ids = np.fromiter(e.ids, dtype=np.int32, count=len(e.ids))
                 if self.loss_on == "all":
