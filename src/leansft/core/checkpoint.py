@@ -213,7 +213,7 @@ def damage(path: Path) -> str | None:
     return None
 
 
-def load_checkpoint(path: Path, root, optimizer, scheduler, sharded: bool = False) -> dict:
+def load_checkpoint(path: Path, root, optimizer, scheduler) -> dict:
     """Restore weights, optimizer, scheduler and RNG from a verified checkpoint; return its state.json.
 
     Works across world sizes and strategies: safetensors (single process, DDP) load as full state into

@@ -133,7 +133,7 @@ def _padded_batch(segments: list[np.ndarray], pad: int, device) -> PaddedBatch:
 
 
 @torch.no_grad()
-def _check(path: str, model, segments, refs, batch, rows_of) -> PathCheck:
+def _check(path: str, model, refs, batch, rows_of) -> PathCheck:
     head = read_output_head(model)
     try:
         hidden = hidden_states(model, batch)
@@ -175,12 +175,12 @@ def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("p
                     result.checks["packed"] = PathCheck("packed", False, False, "no packed attention backend is set")
                 else:
                     result.checks["packed"] = _check(
-                        "packed", model, segments, refs, _packed_batch(segments, device),
+                        "packed", model, refs, _packed_batch(segments, device),
                         lambda h: [h[0, a:b] for a, b in zip(starts[:-1], starts[1:])])
             if "padded" in paths:
                 with plain_attention(model):
                     result.checks["padded"] = _check(
-                        "padded", model, segments, refs, _padded_batch(segments, pad_id, device),
+                        "padded", model, refs, _padded_batch(segments, pad_id, device),
                         lambda h: [h[r, :n] for r, n in enumerate(lens)])
     finally:
         model.train(was)

@@ -82,7 +82,7 @@ class Checkpointer:
         """The state to continue from (a fresh one without ``path``) and the saved evaluator state."""
         if path is None:
             return TrainState(), {}
-        saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler, self.sharded)
+        saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler)
         log.info("resumed from %s at step %d", path, saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
                            **{k: saved[k] for k in ("tokens_seen", "examples_seen", "target_tokens_seen")})

@@ -134,7 +134,7 @@ class ChatEncoder:
                     row=row, field="tools",
                     hint="use the model's own chat template with tool support, or drop the tools column")
 
-    def _marker_spans(self, chats: list[list[dict]], rows: list[int], tools: list[list | None]
+    def _marker_spans(self, chats: list[list[dict]], tools: list[list | None]
                       ) -> tuple[list[str], list[list[tuple[int, int, int]]]]:
         texts: list[str] = [""] * len(chats)
         spans: list = [[] for _ in chats]
@@ -257,7 +257,7 @@ class ChatEncoder:
             rows = [convs[i].row for i in chat_idx]
             tools = [convs[i].tools for i in chat_idx]
             if self.template.has_generation_markers:
-                texts, spans = self._marker_spans(chats, rows, tools)
+                texts, spans = self._marker_spans(chats, tools)
             else:
                 texts, spans = self._diff_spans(chats, rows, tools)
             self._check_tools(texts, tools, rows)
