@@ -26,9 +26,9 @@ def spans(labels: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1)))
 
 
-def encode(tok, template, messages, loss_on="assistant"):
-    enc = ChatEncoder(tok, resolve_template(tok, template), loss_on)
-    (ids, labels), = enc.encode([Conversation(messages=messages, row=1)])
+def encode(tok, template, messages, loss_on="assistant", multi_turn="auto"):
+    enc = ChatEncoder(tok, resolve_template(tok, template), loss_on, multi_turn=multi_turn)
+    ((ids, labels),), = enc.encode([Conversation(messages=messages, row=1)])
     return ids, labels
 
 
@@ -81,11 +81,11 @@ def test_pad_equal_to_eos_does_not_mask_end_of_turn(load_tok, tiny_bpe_path):
     assert labels[labels != IGNORE_INDEX][-1] == tok.eos_token_id
 
 
-def test_template_that_rewrites_earlier_turns_is_refused(load_tok, qwen3_path):
+def test_template_that_rewrites_earlier_turns_is_refused_when_asked(load_tok, qwen3_path):
     tok = load_tok(qwen3_path)  # Qwen3's own template drops <think> blocks of earlier turns
     encode(tok, None, CHAT[1:3])  # one turn is fine
     with pytest.raises(TemplateError) as err:
-        encode(tok, None, CHAT)
+        encode(tok, None, CHAT, multi_turn="single")  # the default, auto, trains it one turn at a time
     msg = str(err.value)
     assert "prefix" in msg and "turn 1" in msg and "training template" in msg and "row 1" in msg
 
@@ -123,7 +123,7 @@ def test_batch_encoding_matches_apply_chat_template(load_tok, qwen25_path):
     tok = load_tok(qwen25_path)
     convs = [Conversation(messages=CHAT[: k + 1], row=k) for k in (2, 4)]
     enc = ChatEncoder(tok, resolve_template(tok, None))
-    for conv, (ids, _) in zip(convs, enc.encode(convs)):
+    for conv, ((ids, _),) in zip(convs, enc.encode(convs)):
         ref = tok.apply_chat_template(conv.messages, tokenize=True, return_dict=False)
         assert ids.tolist() == list(ref)
 
@@ -131,7 +131,7 @@ def test_batch_encoding_matches_apply_chat_template(load_tok, qwen25_path):
 def test_plain_text_trains_on_every_token_and_ends_with_eos(load_tok, qwen25_path):
     tok = load_tok(qwen25_path)
     enc = ChatEncoder(tok, resolve_template(tok, None))
-    (ids, labels), = enc.encode([Conversation(text="Just some text.")])
+    ((ids, labels),), = enc.encode([Conversation(text="Just some text.")])
     assert np.array_equal(ids, labels) and ids[-1] == tok.eos_token_id
 
 

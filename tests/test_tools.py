@@ -32,7 +32,7 @@ def loss_texts(tok, ids, labels) -> list[str]:
 
 
 def encode(tok, conv, template=None):
-    (ids, labels), = ChatEncoder(tok, resolve_template(tok, template)).encode([conv])
+    ((ids, labels),), = ChatEncoder(tok, resolve_template(tok, template)).encode([conv])
     return ids, labels
 
 

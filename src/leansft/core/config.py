@@ -54,6 +54,11 @@ class DataConfig(_Strict):
     eval_split: float = Field(0.0, ge=0, lt=1, description="fraction held out when no eval_file is given")
     template: str | None = None
     loss_on: LossOn = "assistant"
+    reasoning: Literal["keep", "drop"] = Field("keep", description="assistant thinking (reasoning_content or a "
+                                               "leading <think> block): keep = rendered and trained; drop = removed")
+    multi_turn: Literal["auto", "single", "per_turn"] = Field(
+        "auto", description="auto = one example per conversation, or one per assistant turn where the template "
+        "rewrites earlier turns (Qwen3's own); single = refuse such templates; per_turn = always one per turn")
     max_length: int = Field(2048, gt=0)
     truncation: Literal["truncate", "drop"] = "truncate"
     on_bad_row: Literal["error", "skip"] = "error"

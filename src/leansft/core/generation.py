@@ -16,7 +16,7 @@ def stop_token_ids(tokenizer, template: ChatTemplate) -> list[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     conv = Conversation(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
     try:
-        (_, labels), = ChatEncoder(tokenizer, template).encode([conv])
+        ((_, labels),), = ChatEncoder(tokenizer, template).encode([conv])
         targets = labels[labels != IGNORE_INDEX]
         if len(targets):
             ids.add(int(targets[-1]))

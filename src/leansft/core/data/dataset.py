@@ -30,7 +30,7 @@ from leansft.core.errors import DataError, LeanSFTError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
-CACHE_VERSION = "4"  # 4: tool definitions and tool calls rendered
+CACHE_VERSION = "5"  # 5: reasoning, per-turn expansion, per-message loss flags
 BATCH = 1024
 
 
@@ -124,7 +124,7 @@ def _cache_key(src: SourceConfig, cfg: DataConfig, tok_fp: str, template: ChatTe
     h = hashlib.sha256()
     for part in (
         CACHE_VERSION, fingerprint(src.path), src.format, src.split, tok_fp, template.source, cfg.loss_on,
-        str(cfg.clean.pii_scrub), cfg.on_bad_row, str(cfg.clean.drop_no_assistant),
+        cfg.reasoning, cfg.multi_turn, str(cfg.clean.pii_scrub), cfg.on_bad_row, str(cfg.clean.drop_no_assistant),
     ):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:32]
@@ -162,26 +162,29 @@ def _convert_source(src: SourceConfig, cfg: DataConfig, meta: dict) -> list[Conv
 
 def _tokenize_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, meta: dict) -> TokenizedDataset:
     convs = _convert_source(src, cfg, meta)
-    ids_parts, lab_parts, lens = [], [], []
+    ids_parts, lab_parts, lens, owner = [], [], [], []
     for i in range(0, len(convs), BATCH):
         try:
-            for ids, labels in encoder.encode(convs[i : i + BATCH]):
-                ids_parts.append(ids)
-                lab_parts.append(labels)
-                lens.append(len(ids))
+            for k, examples in enumerate(encoder.encode(convs[i : i + BATCH]), start=i):
+                for ids, labels in examples:
+                    ids_parts.append(ids)
+                    lab_parts.append(labels)
+                    lens.append(len(ids))
+                    owner.append(k)
         except LeanSFTError as err:
             if err.file is None:
                 err.file = src.path
             raise type(err)(err.message, file=err.file, row=err.row, field=err.field, hint=err.hint) from None
+    meta["template"] = dict(encoder.stats)
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     return TokenizedDataset(
         np.concatenate(ids_parts).astype(np.int32) if ids_parts else np.zeros(0, np.int32),
         np.concatenate(lab_parts).astype(np.int32) if lab_parts else np.zeros(0, np.int32),
         offsets,
-        np.asarray([c.row for c in convs], dtype=np.int64),
-        np.zeros(len(convs), dtype=np.int32),
-        np.asarray([content_hash(c) for c in convs], dtype=np.int64),
+        np.asarray([convs[k].row for k in owner], dtype=np.int64),
+        np.zeros(len(owner), dtype=np.int32),
+        np.asarray([content_hash(convs[k]) for k in owner], dtype=np.int64),  # shared by a conversation's turns
     )
 
 
@@ -201,7 +204,8 @@ def load_source(
         meta["cache"] = "hit"
         return TokenizedDataset(**arrays), meta
     meta: dict = {"path": src.path}
-    data = _tokenize_source(src, cfg, ChatEncoder(tokenizer, template, cfg.loss_on), meta)
+    data = _tokenize_source(src, cfg, ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn),
+                            meta)
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-"))
     try:

@@ -138,6 +138,29 @@ def _tool_call(r: _Row, where: str, call: Any) -> dict:
     return out
 
 
+def _reasoning_of(msg: dict) -> dict:
+    """Thinking under any of the names datasets use, as ``reasoning_content`` (what chat templates read)."""
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        if isinstance(msg.get(key), str) and msg[key].strip():
+            return {"reasoning_content": msg[key]}
+    return {}
+
+
+def _loss_flag(r: _Row, where: str, msg: dict) -> dict:
+    """``"train": false`` or ``"weight": 0`` on a message: no loss on it (``{"train": False}``); weight 1 or
+    ``"train": true`` is the default. Fractional weights are refused rather than silently rounded."""
+    train, weight = msg.get("train"), msg.get("weight")
+    if train is not None and not isinstance(train, bool):
+        raise r.error(f"{where}.train", f"expected true or false, got {train!r}")
+    if weight is not None:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
+            raise r.error(f"{where}.weight", f"expected a number from 0 to 1, got {weight!r}")
+        if 0 < weight < 1:
+            raise r.error(f"{where}.weight", f"fractional loss weights ({weight}) are not supported; "
+                                              "use 0 (no loss) or 1")
+    return {"train": False} if train is False or weight == 0 else {}
+
+
 def _message_list(r: _Row, key: str, items: Any, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict]:
     if not isinstance(items, list):
         raise r.error(key, f"expected a list of messages, got {type(items).__name__}")
@@ -157,7 +180,7 @@ def _message_list(r: _Row, key: str, items: Any, role_key: str, content_key: str
         if raw_role.lower() == "function_call":  # sharegpt: the value is the call itself
             call = _json_value(r, f"{where}.{content_key}", msg.get(content_key))
             calls = [_tool_call(r, f"{where}.{content_key}", call)]
-            out.append({"role": "assistant", "content": "", "tool_calls": calls})
+            out.append({"role": "assistant", "content": "", "tool_calls": calls, **_loss_flag(r, where, msg)})
             continue
         calls = msg.get("tool_calls")
         if role == "assistant" and calls:
@@ -166,8 +189,8 @@ def _message_list(r: _Row, key: str, items: Any, role_key: str, content_key: str
             calls = [_tool_call(r, f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
             text = msg.get(content_key)
             text = _text_of_parts(r, f"{where}.{content_key}", text) if isinstance(text, list) else (text or "")
-            out.append({"role": role, "content": text, "tool_calls": calls,
-                        **({"reasoning_content": msg["reasoning_content"]} if msg.get("reasoning_content") else {})})
+            out.append({"role": role, "content": text, "tool_calls": calls, **_reasoning_of(msg),
+                        **_loss_flag(r, where, msg)})
             continue
         if content_key not in msg or msg[content_key] is None:
             raise r.error(f"{where}.{content_key}", "missing")
@@ -175,9 +198,11 @@ def _message_list(r: _Row, key: str, items: Any, role_key: str, content_key: str
         if role == "system" and not content.strip():
             continue  # an empty system prompt says nothing; templates render it oddly
         new = {"role": role, "content": content}
-        for extra in ("name", "tool_call_id", "reasoning_content"):
+        for extra in ("name", "tool_call_id"):
             if msg.get(extra) is not None:
                 new[extra] = msg[extra]
+        if role == "assistant":
+            new.update(**_reasoning_of(msg), **_loss_flag(r, where, msg))
         out.append(new)
     return out
 

@@ -4,8 +4,9 @@ How assistant tokens are found:
 1. A template with ``{% generation %}`` markers reports the character spans of assistant output.
 2. Otherwise each assistant turn i is located by rendering ``messages[:i]`` with the generation prompt
    and ``messages[:i+1]`` without; the text the turn adds is its span. Every rendering must be a
-   prefix of the next and of the whole conversation, or the template rewrites earlier turns and we
-   refuse (a training template is needed).
+   prefix of the next and of the whole conversation; where a template rewrites earlier turns (Qwen3's
+   own drops old thinking), each assistant turn becomes an example of its own, rendered from
+   ``messages[:i+1]`` exactly as at inference, with loss on that turn only (``multi_turn``).
 Either way the whole conversation is tokenised once (batched, fast tokenizer) and character spans are
 mapped to tokens by offsets. Span edges are then normalised the same way for both paths: leading and
 trailing whitespace-only tokens are dropped, so the loss covers the content and the end-of-turn
@@ -16,13 +17,22 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 from tokenizers import Tokenizer
-from transformers.utils.chat_template_utils import render_jinja_template
+
+# transformers' own rendering steps, called directly: apply_chat_template copies the whole conversation on
+# every call, which made rendering each turn's prefix quadratic in the number of turns
+from transformers.utils.chat_template_utils import (
+    _alias_reasoning_fields,
+    _compile_jinja_template,
+    _plain_template_data,
+    _render_with_assistant_indices,
+)
 
 from leansft.core.data.builtin_templates import BUILTIN_TEMPLATES
 from leansft.core.data.formats import Conversation
@@ -30,8 +40,16 @@ from leansft.core.errors import TemplateError
 
 IGNORE_INDEX = -100
 LossOn = Literal["assistant", "last_assistant", "all"]
+Reasoning = Literal["keep", "drop"]
+MultiTurn = Literal["auto", "single", "per_turn"]
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _EMPTY_THINK = re.compile(r"\s*<think>\s*</think>\s*")  # the empty reasoning block Qwen3-style templates insert
+_LEADING_THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # thinking written into an answer's content
+
+
+def _trained(message: dict) -> bool:
+    """Per-message flags: ``"train": false`` or ``"weight": 0`` on an assistant message means no loss."""
+    return message.get("train", True) is not False and message.get("weight", 1) != 0
 
 
 @dataclass(frozen=True)
@@ -73,16 +91,48 @@ def resolve_template(tokenizer, template: str | None) -> ChatTemplate:
     )
 
 
-class ChatEncoder:
-    """Turns conversations into ``(input_ids, labels)`` arrays; labels are unshifted, -100 = no loss."""
+@dataclass
+class _Example:
+    """One text to tokenise: a whole conversation, or (per-turn expansion) the context of one turn."""
 
-    def __init__(self, tokenizer, template: ChatTemplate, loss_on: LossOn = "assistant") -> None:
-        if loss_on not in ("assistant", "last_assistant", "all"):
-            raise TemplateError(f"unknown loss_on '{loss_on}'", field="loss_on")
+    conv: int  # index of the conversation in the batch
+    text: str
+    spans: list[tuple[int, int, int]]  # (first char, end char, message index) of each assistant turn
+    chat: list[dict] | None = None  # the messages as the template saw them
+
+
+def _reasoning(message: dict) -> str | None:
+    """An assistant message's thinking: ``reasoning_content``, or a leading ``<think>...</think>`` in content."""
+    if message["role"] != "assistant":
+        return None
+    if message.get("reasoning_content"):
+        return str(message["reasoning_content"]).strip() or None
+    lead = _LEADING_THINK.match(str(message.get("content") or ""))
+    return lead.group(1).strip() or None if lead else None
+
+
+class ChatEncoder:
+    """Turns conversations into ``(input_ids, labels)`` arrays; labels are unshifted, -100 = no loss.
+
+    ``reasoning``: keep (thinking rendered and trained) or drop (removed before rendering: answers only).
+    ``multi_turn``: auto (one example per conversation; per assistant turn where the template rewrites
+    earlier turns), single (refuse such templates), per_turn (always one example per assistant turn).
+    ``stats`` counts what was rendered: tool calls, tool results, thinking, per-turn expansion.
+    """
+
+    def __init__(self, tokenizer, template: ChatTemplate, loss_on: LossOn = "assistant",
+                 reasoning: Reasoning = "keep", multi_turn: MultiTurn = "auto") -> None:
+        for name, value, allowed in (("loss_on", loss_on, get_args(LossOn)), ("reasoning", reasoning, ("keep", "drop")),
+                                     ("multi_turn", multi_turn, get_args(MultiTurn))):
+            if value not in allowed:
+                raise TemplateError(f"unknown {name} '{value}'", field=f"data.{name}")
         self.tok = tokenizer
         self.template = template
-        self.loss_on = loss_on
+        self.loss_on, self.reasoning, self.multi_turn = loss_on, reasoning, multi_turn
+        self.stats: Counter = Counter()
         self._blank: dict[int, bool] = {}
+        self._compiled = _compile_jinja_template(template.source)
+        self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
         # The Rust tokenizer itself, without any truncation/padding a tokenizer.json may carry: what
         # tokenizer(text, add_special_tokens=False) runs, minus the Python-side conversion of its output.
         self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
@@ -93,112 +143,98 @@ class ChatEncoder:
         }
 
     # -- rendering -------------------------------------------------------------------------------
-    def _apply(self, convs: list[list[dict]], gen_prompt: bool, tools: list | None) -> list[str]:
-        return self.tok.apply_chat_template(convs, chat_template=self.template.source, tokenize=False,
-                                            add_generation_prompt=gen_prompt, tools=tools)
+    def _for_template(self, conv: Conversation) -> list[dict]:
+        """The messages as the template sees them (what ``apply_chat_template`` passes): no None values,
+        plain data, reasoning aliased; thinking removed when ``reasoning: drop``."""
+        chat = []
+        for m in conv.messages:
+            m = {k: v for k, v in m.items() if v is not None and k not in ("train", "weight")}
+            if self.reasoning == "drop" and m["role"] == "assistant":
+                m.pop("reasoning_content", None)
+                lead = _LEADING_THINK.match(m.get("content") or "")
+                if lead:
+                    m["content"] = m["content"][lead.end():]
+            chat.append(m)
+        return _alias_reasoning_fields(_plain_template_data(chat))
 
-    def _render(self, convs: list[list[dict]], gen_prompt: bool, rows: list[int],
-                tools: list[list | None] | None = None) -> list[str]:
-        """Render each conversation (with its row's tool definitions, if any); errors name the row."""
-        out: list[str] = [""] * len(convs)
-        tools = tools or [None] * len(convs)
-        plain = [i for i, c in enumerate(convs) if c and not tools[i]]
+    def _render(self, chat: list[dict], tools: list | None, gen_prompt: bool, row: int) -> str:
+        """One rendering, exactly as ``tokenizer.apply_chat_template(chat, tools=tools, tokenize=False)`` gives
+        it, without its per-call copy of the whole conversation (which made prefix rendering quadratic)."""
         try:
-            if plain:
-                for i, t in zip(plain, self._apply([convs[i] for i in plain], gen_prompt, None)):
-                    out[i] = t
-            for i, c in enumerate(convs):
-                if c and tools[i]:  # one tool list per call: conversations with tools render one by one
-                    (out[i],) = self._apply([c], gen_prompt, tools[i])
-        except Exception:
-            # Find the conversation that fails so the error can name its row.
-            for i, c in enumerate(convs):
-                try:
-                    if c:
-                        self._apply([c], gen_prompt, tools[i])
-                except Exception as err:
-                    raise TemplateError(
-                        f"chat template '{self.template.name}' failed: {type(err).__name__}: {err}", row=rows[i]
-                    ) from None
-            raise
-        return out
+            return self._compiled.render(messages=chat, tools=tools, documents=None,
+                                         add_generation_prompt=gen_prompt, **self._kwargs)
+        except Exception as err:
+            raise TemplateError(f"chat template '{self.template.name}' failed: {type(err).__name__}: {err}",
+                                row=row) from None
 
-    def _check_tools(self, texts: list[str], tools: list[list | None], rows: list[int]) -> None:
+    def _check_tools(self, text: str, defs: list[dict] | None, row: int) -> None:
         """Tool definitions given to a template that does not render them are an error, not a silent drop."""
-        for text, defs, row in zip(texts, tools, rows):
-            missing = [d["function"]["name"] for d in defs or [] if d["function"]["name"] not in text]
-            if missing:
-                raise TemplateError(
-                    f"chat template '{self.template.name}' does not render the tool definitions (e.g. "
-                    f"'{missing[0]}' is missing): the model would be trained on tool calls without the tools",
-                    row=row, field="tools",
-                    hint="use the model's own chat template with tool support, or drop the tools column")
+        missing = [d["function"]["name"] for d in defs or [] if d["function"]["name"] not in text]
+        if missing:
+            raise TemplateError(
+                f"chat template '{self.template.name}' does not render the tool definitions (e.g. "
+                f"'{missing[0]}' is missing): the model would be trained on tool calls without the tools",
+                row=row, field="tools",
+                hint="use the model's own chat template with tool support, or drop the tools column")
 
-    def _marker_spans(self, chats: list[list[dict]], tools: list[list | None]
-                      ) -> tuple[list[str], list[list[tuple[int, int, int]]]]:
-        texts: list[str] = [""] * len(chats)
-        spans: list = [[] for _ in chats]
-        # conversations without tools in one call; each with tools on its own (one tool list per call)
-        groups = [[i for i, d in enumerate(tools) if not d]] + [[i] for i, d in enumerate(tools) if d]
+    def _marker_examples(self, k: int, chat: list[dict], tools: list | None) -> list[_Example]:
+        """Spans from ``{% generation %}`` markers (one rendering)."""
         try:
-            for group in filter(None, groups):
-                t, sp = render_jinja_template(
-                    conversations=[chats[i] for i in group], chat_template=self.template.source,
-                    return_assistant_tokens_mask=True, add_generation_prompt=False, tools=tools[group[0]],
-                    **self.tok.special_tokens_map,
-                )
-                for i, text, span in zip(group, t, sp):
-                    texts[i], spans[i] = text, span
+            text, spans = _render_with_assistant_indices(
+                compiled_template=self._compiled, messages=chat, tools=tools, documents=None,
+                add_generation_prompt=False, **self._kwargs)
         except Exception as err:
             raise TemplateError(f"chat template '{self.template.name}' failed: {type(err).__name__}: {err}") from None
-        out = []
-        for chat, chat_spans in zip(chats, spans):
-            turns = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
-            same = len(turns) == len(chat_spans)
-            out.append([(c0, c1, turns[k] if same else -1) for k, (c0, c1) in enumerate(chat_spans)])
-        return texts, out
+        turns = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
+        same = len(turns) == len(spans)
+        return [_Example(k, text, [(c0, c1, turns[j] if same else -1) for j, (c0, c1) in enumerate(spans)])]
 
-    def _diff_spans(self, chats: list[list[dict]], rows: list[int], tools: list[list | None]
-                    ) -> tuple[list[str], list[list[tuple[int, int, int]]]]:
-        full = self._render(chats, False, rows, tools)
-        jobs = [(ci, ai) for ci, chat in enumerate(chats) for ai, m in enumerate(chat) if m["role"] == "assistant"]
-        job_rows = [rows[ci] for ci, _ in jobs]
-        before = self._render([chats[ci][:ai] for ci, ai in jobs], True, job_rows, [tools[ci] for ci, _ in jobs])
-        # the last message's turn renders as the whole conversation: reuse it instead of rendering again
-        inner = [k for k, (ci, ai) in enumerate(jobs) if ai + 1 < len(chats[ci])]
-        inner_text = self._render([chats[jobs[k][0]][: jobs[k][1] + 1] for k in inner], False,
-                                  [job_rows[k] for k in inner], [tools[jobs[k][0]] for k in inner])
-        through = [full[ci] for ci, _ in jobs]
-        for k, text in zip(inner, inner_text):
-            through[k] = text
-        spans: list[list[tuple[int, int, int]]] = [[] for _ in chats]
-        for (ci, ai), b, t in zip(jobs, before, through):
-            turn = sum(1 for m in chats[ci][: ai + 1] if m["role"] == "assistant")
-            end = len(t)
-            if t.startswith(b) and not full[ci].startswith(t):
+    def _prefix_examples(self, k: int, chat: list[dict], tools: list | None, row: int
+                         ) -> tuple[str, list[_Example]]:
+        """Each assistant turn i is the text ``messages[:i+1]`` adds to ``messages[:i]`` + generation prompt.
+
+        Every rendering must be a prefix of the whole conversation's; where the template rewrites earlier
+        turns, ``multi_turn: auto`` makes one example per turn, rendered as it is at inference."""
+        full = self._render(chat, tools, False, row)
+        turns = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
+        spans, through, broken = [], [], None
+        for ai in turns:
+            before = self._render(chat[:ai], tools, True, row)
+            text = full if ai + 1 == len(chat) else self._render(chat[: ai + 1], tools, False, row)
+            if not text.startswith(before):
+                self._refuse(row, ai, chat, "the generation prompt does not match the assistant turn")
+            end = len(text)
+            if not full.startswith(text):
                 # Templates that close the conversation differently (Phi-3 appends eos, gpt-oss ends the last
                 # turn with <|return|> instead of <|end|>) agree with the full rendering up to past the content:
                 # the turn's span ends where the two renderings part. Text changed before the content end
-                # (an earlier turn rewritten) is still refused.
-                content = str(chats[ci][ai].get("content") or "").strip()
-                p = t.find(content, len(b)) if content else -1
-                shared = len(os.path.commonprefix([t, full[ci]]))
-                if p >= 0 and shared >= p + len(content):
-                    end = shared
-            if not t.startswith(b) or not full[ci].startswith(t[:end]):
-                which = "the generation prompt does not match the assistant turn" if not t.startswith(b) else (
-                    "rendering later turns changes this turn's text (the template rewrites earlier turns)"
-                )
-                raise TemplateError(
-                    f"chat template '{self.template.name}' breaks the prefix property at assistant turn {turn} "
-                    f"(message {ai}): {which}",
-                    row=rows[ci],
-                    field=f"messages[{ai}]",
-                    hint="pass a training template (template: path/to/train.jinja, e.g. one with {% generation %} "
-                    "markers) that renders every turn the same way whatever follows",
-                )
-            spans[ci].append((len(b), end, ai))
-        return full, spans
+                # (an earlier turn rewritten) breaks the prefix property.
+                content = str(chat[ai].get("content") or "").strip()
+                p = text.find(content, len(before)) if content else -1
+                shared = len(os.path.commonprefix([text, full]))
+                end = shared if p >= 0 and shared >= p + len(content) else -1
+                if end < 0 and broken is None:
+                    broken = ai
+            spans.append((len(before), end, ai))
+            through.append(text)
+        expand = self.multi_turn == "per_turn" and len(turns) > 1
+        if broken is not None and not expand:
+            if self.multi_turn == "single":
+                self._refuse(row, broken, chat, "rendering later turns changes this turn's text "
+                                                "(the template rewrites earlier turns)")
+            expand = True
+        if not expand:
+            return full, [_Example(k, full, spans)]
+        # one example per assistant turn: its context as the template renders it at inference, loss on it alone
+        return full, [_Example(k, text, [(c0, len(text), ai)]) for (c0, _, ai), text in zip(spans, through)]
+
+    def _refuse(self, row: int, ai: int, chat: list[dict], which: str) -> None:
+        turn = sum(1 for m in chat[: ai + 1] if m["role"] == "assistant")
+        raise TemplateError(
+            f"chat template '{self.template.name}' breaks the prefix property at assistant turn {turn} "
+            f"(message {ai}): {which}", row=row, field=f"messages[{ai}]",
+            hint="data.multi_turn: auto (the default) trains such templates one turn at a time; or pass a training "
+                 "template (template: path/to/train.jinja, e.g. one with {% generation %} markers)")
 
     # -- token spans -----------------------------------------------------------------------------
     def _is_blank(self, token_id: int) -> bool:
@@ -209,10 +245,10 @@ class ChatEncoder:
     @staticmethod
     def _content_start(text: str, c0: int, c1: int, message: dict | None) -> int:
         """Move a span's start to the message content, past scaffolding the template inserts before it
-        (an empty ``<think></think>`` block, say). Real reasoning (``reasoning_content``) keeps its loss.
-        An empty reasoning block at the span's start is skipped first, so an answer whose text also
-        occurs inside the scaffold ("think", a newline) is not found there."""
-        if message is None or message.get("reasoning_content"):
+        (an empty ``<think></think>`` block, say). Real thinking keeps its loss. An empty reasoning block
+        at the span's start is skipped first, so an answer whose text also occurs inside the scaffold
+        ("think", a newline) is not found there."""
+        if message is None or _reasoning(message):
             return c0
         content = str(message.get("content") or "").strip()
         scaffold = _EMPTY_THINK.match(text, c0, c1)
@@ -220,29 +256,70 @@ class ChatEncoder:
         p = text.find(content, start, c1) if content else -1
         return p if p > c0 else start
 
-    def _labels(
-        self, ids: np.ndarray, offsets: np.ndarray, text: str, chat: list[dict], spans: list[tuple[int, int, int]]
-    ) -> np.ndarray:
+    def _labels(self, ids: np.ndarray, offsets: np.ndarray, ex: _Example, messages: list[dict], row: int
+                ) -> np.ndarray:
         """Tokens starting at or after a span's start and ending by its end carry loss (a token that
         straddles the end belongs to what follows, e.g. the next turn's header)."""
         starts, ends = offsets[:, 0], np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
         labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
-        if self.loss_on == "last_assistant":
-            spans = spans[-1:]
+        spans = ex.spans[-1:] if self.loss_on == "last_assistant" else ex.spans
         for c0, c1, ai in spans:
-            c0 = self._content_start(text, c0, c1, chat[ai] if ai >= 0 else None)
-            lo, hi = int(np.searchsorted(starts, c0, "left")), int(np.searchsorted(ends, c1, "right"))
+            message = ex.chat[ai] if ai >= 0 else None
+            if message is not None and not _trained(messages[ai]):
+                continue
+            begin = self._content_start(ex.text, c0, c1, message)
+            lo, hi = int(np.searchsorted(starts, begin, "left")), int(np.searchsorted(ends, c1, "right"))
+            if 0 < lo and starts[lo - 1] >= c0 and offsets[lo - 1, 1] > begin:
+                lo -= 1  # a token that carries the content's first character with a space before it ("▁It")
             while lo < hi and self._is_blank(int(ids[lo])):
                 lo += 1
             while hi > lo and self._is_blank(int(ids[hi - 1])):
                 hi -= 1
             labels[lo:hi] = ids[lo:hi]
+            if message is not None:
+                self._count_turn(ex.text, begin, c1, starts[lo:hi], message, ai, row)
         return labels
 
-    def encode(self, convs: list[Conversation]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Encode a batch. Text conversations get loss on every token and a closing eos."""
-        out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(convs)
-        chat_idx = [i for i, c in enumerate(convs) if c.text is None]
+    def _count_turn(self, text: str, c0: int, c1: int, token_starts: np.ndarray, message: dict, ai: int,
+                    row: int) -> None:
+        """Counts for reports; thinking the template does not render is an error, not a silent drop."""
+        self.stats["assistant_turns"] += 1
+        self.stats["tool_call_turns"] += bool(message.get("tool_calls"))
+        thinking = _reasoning(message)
+        if thinking is None:
+            return
+        at = text.find(thinking, c0, c1)
+        if at < 0:
+            raise TemplateError(
+                f"chat template '{self.template.name}' does not render the thinking of message {ai} "
+                f"(reasoning_content or a leading <think> block): the model would learn answers without their "
+                f"reasoning", row=row, field=f"messages[{ai}]",
+                hint="use a template that renders reasoning (the model's own, e.g. Qwen3's), or data.reasoning: drop "
+                     "to train the answers only")
+        self.stats["thinking_turns"] += 1
+        self.stats["thinking_tokens"] += int(((token_starts >= at) & (token_starts < at + len(thinking))).sum())
+
+    # -- the batch -------------------------------------------------------------------------------
+    def _examples(self, k: int, conv: Conversation, chat: list[dict]) -> tuple[str, list[_Example]]:
+        """(the whole conversation rendered, its examples with their loss spans)."""
+        tools = _plain_template_data(conv.tools) if conv.tools else None
+        try:
+            if self.loss_on == "all":
+                full = self._render(chat, tools, False, conv.row)
+                return full, [_Example(k, full, [])]
+            if self.template.has_generation_markers:
+                found = self._marker_examples(k, chat, tools)
+                return found[0].text, found
+            return self._prefix_examples(k, chat, tools, conv.row)
+        except TemplateError as err:
+            if err.row is None:
+                raise TemplateError(err.message, row=conv.row, field=err.field, hint=err.hint) from None
+            raise
+
+    def encode(self, convs: list[Conversation]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """Encode a batch: for each conversation its examples (one, or one per assistant turn where the
+        template rewrites history). Text conversations get loss on every token and a closing eos."""
+        out: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in convs]
         text_idx = [i for i, c in enumerate(convs) if c.text is not None]
         if text_idx:
             enc = self.tok([convs[i].text for i in text_idx], add_special_tokens=True)
@@ -251,21 +328,35 @@ class ChatEncoder:
                 if eos is not None and (not ids or ids[-1] != eos):
                     ids = ids + [eos]
                 arr = np.asarray(ids, dtype=np.int32)
-                out[i] = (arr, arr.copy())
-        if chat_idx:
-            chats = [convs[i].messages for i in chat_idx]
-            rows = [convs[i].row for i in chat_idx]
-            tools = [convs[i].tools for i in chat_idx]
-            if self.template.has_generation_markers:
-                texts, spans = self._marker_spans(chats, tools)
-            else:
-                texts, spans = self._diff_spans(chats, rows, tools)
-            self._check_tools(texts, tools, rows)
-            for k, (i, e) in enumerate(zip(chat_idx, self._backend.encode_batch(texts, add_special_tokens=False))):
-                ids = np.fromiter(e.ids, dtype=np.int32, count=len(e.ids))
-                if self.loss_on == "all":
-                    out[i] = (ids, ids.copy())
-                    continue
-                offsets = np.array(e.offsets, dtype=np.int64).reshape(-1, 2)
-                out[i] = (ids, self._labels(ids, offsets, texts[k], chats[k], spans[k]))
-        return out  # type: ignore[return-value]
+                out[i].append((arr, arr.copy()))
+        examples: list[_Example] = []
+        expanded: dict[int, str] = {}  # conversation -> its single rendering, to count what expansion costs
+        for i, conv in enumerate(convs):
+            if conv.text is not None:
+                continue
+            chat = self._for_template(conv)
+            full, found = self._examples(i, conv, chat)
+            self._check_tools(full, conv.tools, conv.row)
+            self.stats["conversations"] += 1
+            self.stats["tool_results"] += sum(m["role"] == "tool" for m in chat)
+            if len(found) > 1 or (self.multi_turn == "per_turn" and found[0].text != full):
+                expanded[i] = full
+            for ex in found:
+                ex.chat = chat
+            examples.extend(found)
+        encoded = self._backend.encode_batch([e.text for e in examples], add_special_tokens=False)
+        for ex, e in zip(examples, encoded):
+            ids = np.fromiter(e.ids, dtype=np.int32, count=len(e.ids))
+            if self.loss_on == "all":
+                out[ex.conv].append((ids, ids.copy()))
+                continue
+            offsets = np.array(e.offsets, dtype=np.int64).reshape(-1, 2)
+            conv = convs[ex.conv]
+            out[ex.conv].append((ids, self._labels(ids, offsets, ex, conv.messages, conv.row)))
+        if expanded:
+            singles = self._backend.encode_batch(list(expanded.values()), add_special_tokens=False)
+            for i, single in zip(expanded, singles):
+                self.stats["per_turn_conversations"] += 1
+                self.stats["per_turn_examples"] += len(out[i])
+                self.stats["per_turn_extra_tokens"] += sum(len(ids) for ids, _ in out[i]) - len(single.ids)
+        return out

@@ -1,0 +1,177 @@
+"""Agent and reasoning data on real tokenizers with the templates they ship: tool calls, tool results,
+thinking, templates that rewrite history (per-turn expansion), and per-message loss flags.
+
+Each test decodes the loss spans and compares them with exactly the assistant content, tool-call text and
+end-of-turn token; nothing of tool results, tool definitions or earlier turns.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from helpers import package_dir, trl_template, write_jsonl
+from test_tools import WEATHER, loss_texts
+
+from leansft.core.data.formats import Conversation, convert_row
+from leansft.core.data.masking import ChatEncoder, resolve_template
+from leansft.core.errors import DataError, TemplateError
+from leansft.tools.cli import main
+
+AGENT = {"tools": [WEATHER], "messages": [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "abcdefghi", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "abcdefghi", "name": "get_weather", "content": '{"temp": 21}'},
+    {"role": "assistant", "content": "It is 21 degrees."}]}
+THINKING = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "reasoning_content": "Two and two make four.", "content": "4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "reasoning_content": "Three and three make six.", "content": "6."}]
+
+
+@pytest.fixture(scope="session")
+def mistral_v3_path(assets) -> str:
+    """Mistral 7B v0.3's SentencePiece model ([TOOL_CALLS], [AVAILABLE_TOOLS]...) with the chat template
+    mistral-common generates for it (the template Mistral ships, tools included)."""
+    from mistral_common.integrations.chat_templates.template_generator import TemplateConfig, build_chat_template
+    from mistral_common.tokens.tokenizers.base import TokenizerVersion
+
+    dest = assets / "mistral_v3"
+    dest.mkdir(exist_ok=True)
+    shutil.copy(package_dir("mistral_common") / "data" / "mistral_instruct_tokenizer_240323.model.v3",
+                dest / "tokenizer.model")
+    (dest / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": build_chat_template(TemplateConfig(version=TokenizerVersion.v3, spm=True))}))
+    return str(dest)
+
+
+def encode_all(tok, rows, template=None, fmt="messages", **options):
+    enc = ChatEncoder(tok, resolve_template(tok, template), **options)
+    convs = [r if isinstance(r, Conversation) else convert_row(r, fmt, "f", i + 1) for i, r in enumerate(rows)]
+    return enc.encode(convs), enc.stats
+
+
+def spans_of(tok, examples) -> list[list[str]]:
+    return [loss_texts(tok, ids, labels) for ids, labels in examples]
+
+
+def test_qwen25_tools_in_the_system_prompt_and_tool_call_tags(load_tok, qwen25_path):
+    tok = load_tok(qwen25_path)
+    (examples,), stats = encode_all(tok, [AGENT])
+    assert spans_of(tok, examples) == [[
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is 21 degrees.<|im_end|>"]]
+    text = tok.decode(examples[0][0])
+    assert "<tools>" in text and "<tool_response>\n{\"temp\": 21}\n</tool_response>" in text
+    assert stats["tool_call_turns"] == 1 and stats["tool_results"] == 1 and not stats["per_turn_conversations"]
+
+
+def test_llama31_tool_call_and_ipython_result(load_tok, llama3_path):
+    tok = load_tok(llama3_path)  # the Llama-3.1 tokenizer (<|python_tag|>, <|eom_id|>) with Llama-3.1's template
+    (examples,), _ = encode_all(tok, [AGENT], trl_template("llama3_1"))
+    assert spans_of(tok, examples) == [[
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is 21 degrees.<|eot_id|>"]]
+    text = tok.decode(examples[0][0])
+    assert "<|start_header_id|>ipython<|end_header_id|>" in text and '"name": "get_weather",' in text
+
+
+def test_mistral_v3_moves_tools_to_the_last_user_turn_so_each_turn_trains_in_its_own_context(load_tok,
+                                                                                             mistral_v3_path):
+    tok = load_tok(mistral_v3_path)
+    row = {**AGENT, "messages": AGENT["messages"] + [{"role": "user", "content": "And Rome?"},
+                                                     {"role": "assistant", "content": "Sunny."}]}
+    (examples,), stats = encode_all(tok, [row])
+    assert spans_of(tok, examples) == [
+        ['[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcdefghi"}]</s>'],
+        ["It is 21 degrees.</s>"], ["Sunny.</s>"]]
+    last = tok.decode(examples[-1][0])  # at inference the tools sit before the last user message
+    assert last.index("[AVAILABLE_TOOLS]") > last.index("[TOOL_RESULTS]")
+    assert stats["per_turn_conversations"] == 1 and stats["per_turn_examples"] == 3
+    assert stats["per_turn_extra_tokens"] == sum(map(len, (ids for ids, _ in examples))) - len(
+        tok(tok.apply_chat_template(row["messages"], tools=row["tools"], tokenize=False), add_special_tokens=False)
+        ["input_ids"])
+    with pytest.raises(TemplateError, match="rewrites earlier turns"):
+        encode_all(tok, [row], multi_turn="single")
+
+
+def test_qwen3_thinking_per_turn_expansion(load_tok, qwen3_path):
+    tok = load_tok(qwen3_path)  # Qwen3's own template drops the thinking of turns before the last question
+    (examples,), stats = encode_all(tok, [{"messages": THINKING}])
+    assert spans_of(tok, examples) == [
+        ["<think>\nTwo and two make four.\n</think>\n\n4.<|im_end|>"],
+        ["<think>\nThree and three make six.\n</think>\n\n6.<|im_end|>"]]
+    assert "Two and two" not in tok.decode(examples[1][0])  # the context as the template gives it at inference
+    assert stats["per_turn_conversations"] == 1 and stats["thinking_turns"] == 2
+    assert stats["thinking_tokens"] == sum(len(tok(t, add_special_tokens=False)["input_ids"])
+                                           for t in ("Two and two make four.", "Three and three make six."))
+    with pytest.raises(TemplateError, match="multi_turn: auto"):
+        encode_all(tok, [{"messages": THINKING}], multi_turn="single")
+
+
+def test_thinking_written_into_the_content_renders_like_reasoning_content(load_tok, qwen3_path):
+    tok = load_tok(qwen3_path)
+    inline = [THINKING[0], {"role": "assistant", "content": "<think>\nTwo and two make four.\n</think>\n\n4."}]
+    (a,), _ = encode_all(tok, [{"messages": inline}])
+    (b,), _ = encode_all(tok, [{"messages": THINKING[:2]}])
+    assert np.array_equal(a[0][0], b[0][0]) and np.array_equal(a[0][1], b[0][1])
+
+
+def test_reasoning_drop_trains_the_answers_only(load_tok, qwen3_path):
+    tok = load_tok(qwen3_path)
+    (examples,), stats = encode_all(tok, [{"messages": THINKING}], reasoning="drop")
+    # the empty <think></think> scaffold Qwen3 writes into the last turn still moves, so still one example a turn
+    assert spans_of(tok, examples) == [["4.<|im_end|>"], ["6.<|im_end|>"]]
+    assert "Two and two" not in tok.decode(examples[1][0]) and not stats["thinking_tokens"]
+
+
+def test_a_template_that_ignores_thinking_is_an_error(load_tok, qwen25_path):
+    tok = load_tok(qwen25_path)  # Qwen2.5's template does not render reasoning_content
+    with pytest.raises(TemplateError, match="does not render the thinking of message 1.*") as err:
+        encode_all(tok, [{"messages": THINKING}])
+    assert "data.reasoning: drop" in str(err.value) and "row 1" in str(err.value)
+    (examples,), _ = encode_all(tok, [{"messages": THINKING}], reasoning="drop")
+    assert spans_of(tok, examples) == [["4.<|im_end|>", "6.<|im_end|>"]]
+
+
+def test_per_turn_on_a_prefix_template_covers_the_same_turns(load_tok, qwen25_path):
+    tok = load_tok(qwen25_path)
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                          {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]}]
+    (single,), _ = encode_all(tok, rows)
+    (turns,), stats = encode_all(tok, rows, multi_turn="per_turn")
+    assert len(single) == 1 and len(turns) == 2
+    assert [s for ex in spans_of(tok, turns) for s in ex] == spans_of(tok, single)[0]
+    assert np.array_equal(turns[1][0], single[0][0])  # the last turn's context is the whole conversation
+    assert stats["per_turn_extra_tokens"] == len(turns[0][0])
+
+
+def test_per_message_loss_flags(load_tok, qwen25_path):
+    tok = load_tok(qwen25_path)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "train": False},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye.", "weight": 1}]
+    (examples,), _ = encode_all(tok, [{"messages": msgs}])
+    assert spans_of(tok, examples) == [["Goodbye.<|im_end|>"]]
+    zero = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello.", "weight": 0}]
+    (examples,), _ = encode_all(tok, [{"conversations": zero + [{"from": "human", "value": "x"},
+                                                                {"from": "gpt", "value": "y"}]}], fmt="sharegpt")
+    assert spans_of(tok, examples) == [["y<|im_end|>"]]
+    with pytest.raises(DataError, match=r"messages\[1\].weight': fractional loss weights \(0.5\)"):
+        convert_row({"messages": [msgs[0], {**msgs[1], "train": True, "weight": 0.5}]}, "messages", "f", 1)
+    with pytest.raises(DataError, match=r"messages\[1\].train': expected true or false"):
+        convert_row({"messages": [msgs[0], {**msgs[1], "train": "no"}]}, "messages", "f", 1)
+
+
+def test_expanded_turns_reach_the_plan_report(tmp_path, qwen3_path):
+    data = write_jsonl(tmp_path / "think.jsonl", [{"messages": THINKING}, {"messages": THINKING[:2]}])
+    assert main(["plan", "--data", data, "--tokenizer", qwen3_path, "--json", str(tmp_path / "plan.json"),
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    prep = json.loads((tmp_path / "plan.json").read_text())["preparation"]
+    assert prep["examples"] == 3
+    stats = prep["sources"][0]["template"]
+    assert stats["per_turn_conversations"] == 1 and stats["per_turn_examples"] == 2 and stats["thinking_turns"] == 3
