@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,3 +176,28 @@ def test_expanded_turns_reach_the_plan_report(tmp_path, qwen3_path):
     assert prep["examples"] == 3
     stats = prep["sources"][0]["template"]
     assert stats["per_turn_conversations"] == 1 and stats["per_turn_examples"] == 2 and stats["thinking_turns"] == 3
+
+
+def test_show_mask_colours_tool_calls_results_and_thinking(tmp_path, qwen3_path):
+    data = write_jsonl(tmp_path / "agent.jsonl", [AGENT, {"messages": THINKING[:2]}])
+    page, js = tmp_path / "mask.html", tmp_path / "mask.json"
+    assert main(["show-mask", "--data", data, "--tokenizer", qwen3_path, "--html", str(page), "--json", str(js),
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    html = page.read_text()
+    for kind in ("target", "thinking", "tool_call", "tool_result", "ctx"):
+        assert f'class="t {kind}"' in html, kind
+    assert all(set(e) == {"row", "input_ids", "labels"} for e in json.loads(js.read_text()))  # format kept
+
+
+@pytest.mark.slow
+def test_glaive_trains_with_a_tool_template(tmp_path, tiny_run_assets):
+    from helpers import run_config
+    from test_tools import GLAIVE
+
+    from leansft.recipe.train import train
+
+    template = Path(GLAIVE).parents[1] / "templates" / "chatml_tools.jinja"
+    cfg = run_config(tmp_path, tiny_run_assets, f"data.sources=[{GLAIVE}]", f"data.template={template}",
+                     "data.max_length=1024", "batching.tokens_per_micro_batch=2048", "training.max_steps=3")
+    last = train(cfg)
+    assert last["step"] == 3 and last["target_tokens_per_s"] > 0

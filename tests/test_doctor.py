@@ -135,3 +135,19 @@ def test_bloom_packed_fails_isolation_when_the_safety_check_is_bypassed(tmp_path
     sorted_cfg = run_config(tmp_path, tiny_run_assets, f"model={bloom}", "batching.strategy=sorted")
     checks = {c.name: c for c in doctor.run_checks(sorted_cfg)}
     assert checks["isolation"].status == "PASS" and checks["loss"].status == "PASS"
+
+
+def test_template_check_counts_tool_calls_per_source_and_fails_when_tools_are_lost(tmp_path, tiny_run_assets):
+    from helpers import trl_template
+    from test_tools import GLAIVE
+
+    cfg = run_config(tmp_path, tiny_run_assets, f"data.sources=[{GLAIVE}]", f"data.template={trl_template('qwen2_5')}",
+                     "data.max_length=1024", "batching.tokens_per_micro_batch=2048")
+    template = doctor.run_checks(cfg)[0]
+    assert template.name == "template" and template.status == "PASS", template.message
+    stats = template.numbers["sources"][GLAIVE]
+    assert stats["tool_call_turns"] > 0 and stats["tool_results"] > 0
+    assert "with tool calls" in template.message
+    # plain ChatML (the tiny tokenizer's own template) drops the tools: FAIL, naming the tools
+    checks = doctor.run_checks(run_config(tmp_path, tiny_run_assets, f"data.sources=[{GLAIVE}]"))
+    assert checks[0].status == "FAIL" and "does not render the tool definitions" in checks[0].message

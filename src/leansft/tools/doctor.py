@@ -32,6 +32,7 @@ from leansft.core.verify import check_vocabulary, probe_segments, verify_model
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import autocast_dtype, build_model, model_location, pick_device, seed_everything
 from leansft.tools.memory import ModelShape, estimate_memory
+from leansft.tools.plan_report import template_summary
 
 SAMPLE = 64
 
@@ -75,8 +76,11 @@ def check_template(tok, template, data, report: dict) -> Check:
                      "build labels from the template's assistant spans, not from token ids; the model must learn "
                      "to stop")
     status = "WARN" if zero else "PASS"
+    per_source = [f"\n{src['path']}: {template_summary(src['template'])}" for src in report.get("sources", [])
+                  if src.get("template")]
+    numbers["sources"] = {src["path"]: src.get("template", {}) for src in report.get("sources", [])}
     return Check("template", status, f"{n_spans} assistant spans found, each ends with its end-of-turn token; "
-                 f"{zero} examples had zero target tokens (dropped)", numbers)
+                 f"{zero} examples had zero target tokens (dropped)" + "".join(per_source), numbers)
 
 
 def check_isolation_and_loss(cfg: RunConfig, model, data, pad: int) -> list[Check]:

@@ -11,8 +11,24 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def template_summary(stats: dict) -> str:
+    """One line on what a source's rendering held: tool calls and results, thinking, per-turn expansion."""
+    parts = [f"{stats.get('assistant_turns', 0):,} assistant turns"]
+    if stats.get("tool_call_turns") or stats.get("tool_results"):
+        parts.append(f"{stats.get('tool_call_turns', 0):,} with tool calls, {stats.get('tool_results', 0):,} tool results")
+    if stats.get("thinking_turns"):
+        parts.append(f"{stats['thinking_turns']:,} with thinking ({stats['thinking_tokens']:,} thinking tokens trained)")
+    if stats.get("per_turn_conversations"):
+        parts.append(f"per-turn: {stats['per_turn_conversations']:,} conversations -> {stats['per_turn_examples']:,} "
+                     f"examples (+{stats['per_turn_extra_tokens']:,} repeated context tokens)")
+    return "; ".join(parts)
+
+
 def print_plan(summary: dict, console: Console | None = None) -> None:
     console = console or Console()
+    for src in summary.get("preparation", {}).get("sources", []):
+        if src.get("template"):
+            console.print(f"{src['path']}: {template_summary(src['template'])}")
     ls = summary["lengths"]
     head = f"[bold]{summary['examples']:,}[/] examples, {summary['tokens']:,} tokens"
     if summary.get("target_tokens") is not None:

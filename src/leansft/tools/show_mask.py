@@ -5,26 +5,65 @@ from __future__ import annotations
 
 import html
 
+import numpy as np
 from rich.console import Console
 from rich.text import Text
 
+from leansft.core.config import DataConfig
 from leansft.core.data.dataset import TokenizedDataset
-from leansft.core.data.masking import IGNORE_INDEX
+from leansft.core.data.formats import convert_row, detect_format
+from leansft.core.data.masking import IGNORE_INDEX, KINDS, ChatEncoder, ChatTemplate
+from leansft.core.data.sources import read_rows
+
+STYLES = {"context": "dim", "target": "bold green", "thinking": "bold magenta", "tool_call": "bold cyan",
+          "tool_result": "yellow"}
+LEGEND = "loss: answer green, thinking magenta, tool call cyan; no loss: tool result yellow, other context dim"
 
 
-def print_examples(tokenizer, data: TokenizedDataset, n: int, console: Console | None = None) -> list[dict]:
-    """Print the first ``n`` examples (loss tokens bold green); return them as ``{row, input_ids, labels}``."""
+def example_kinds(tokenizer, template: ChatTemplate, cfg: DataConfig, data: TokenizedDataset, n: int
+                  ) -> list[np.ndarray]:
+    """Token kinds (``KINDS``) of the first ``n`` examples, from their source rows rendered again; an
+    example whose row cannot be matched shows plain loss/context."""
+    shown = range(min(n, len(data)))
+    kinds = [np.where(data.example(i)[1] != IGNORE_INDEX, 1, 0).astype(np.int8) for i in shown]
+    encoder = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn)
+    for si, src in enumerate(cfg.sources):
+        wanted = {int(data.rows[i]): [] for i in shown if data.source[i] == si}
+        for i in shown:
+            if data.source[i] == si:
+                wanted[int(data.rows[i])].append(i)
+        fmt = src.format
+        for number, row in read_rows(src.path, src.split):
+            if not wanted:
+                break
+            if fmt == "auto":
+                fmt = detect_format(row, src.path, number)
+            if number not in wanted:
+                continue
+            for ids, _, k in encoder.explain(convert_row(row, fmt, src.path, number)):
+                for i in wanted[number]:
+                    if np.array_equal(data.example(i)[0], ids):
+                        kinds[i] = k
+            del wanted[number]
+    return kinds
+
+
+def print_examples(tokenizer, data: TokenizedDataset, n: int, console: Console | None = None,
+                   kinds: list[np.ndarray] | None = None) -> list[dict]:
+    """Print the first ``n`` examples coloured by token kind; return them as ``{row, input_ids, labels}``."""
     console = console or Console()
     out = []
     for i in range(min(n, len(data))):
         ids, labels = (a.tolist() for a in data.example(i))
         out.append({"row": int(data.rows[i]), "input_ids": ids, "labels": labels})
+        kind = kinds[i] if kinds else [int(x != IGNORE_INDEX) for x in labels]
         text = Text()
-        for t, lab in zip(ids, labels):
-            text.append(tokenizer.decode([t]), style="bold green" if lab != IGNORE_INDEX else "dim")
+        for t, k in zip(ids, kind):
+            text.append(tokenizer.decode([t]), style=STYLES[KINDS[k]])
         n_t = sum(1 for x in labels if x != IGNORE_INDEX)
-        console.rule(f"example {i} (row {data.rows[i]}): {len(ids)} tokens, {n_t} carry loss (green)")
+        console.rule(f"example {i} (row {data.rows[i]}): {len(ids)} tokens, {n_t} carry loss")
         console.print(text)
+    console.print(LEGEND)
     return out
 
 
@@ -36,13 +75,18 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em; }}
 .toks {{ font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.7; }}
 .t {{ border-right: 1px dotted #bbb; }}
 .t:hover {{ outline: 1px solid #333; }}
-.loss {{ background: #c8f0c8; }}
+.loss, .target {{ background: #c8f0c8; }}
+.thinking {{ background: #ead1f5; }}
+.tool_call {{ background: #c6e6f5; }}
+.tool_result {{ background: #fbefc0; color: #555; }}
 .ctx {{ color: #777; }}
 .trunc {{ color: #b00; }}
 .hidden {{ display: none; }}
 </style></head><body>
 <h1>leansft show-mask</h1>
-<p>{summary}. Loss tokens are green; hover a token for its index and id.
+<p>{summary}. Loss: <span class="target">answer</span> <span class="thinking">thinking</span>
+<span class="tool_call">tool call</span>; no loss: <span class="tool_result">tool result</span>
+<span class="ctx">context</span>. Hover a token for its index and id.
 <label>show <select id="filter" onchange="filterExamples()">
 <option value="all">all examples</option><option value="noloss">examples with no loss</option>
 <option value="truncated">truncated examples</option></select></label></p>
@@ -59,7 +103,8 @@ function filterExamples() {{
 """
 
 
-def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None = None) -> str:
+def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None = None,
+              kinds: list[np.ndarray] | None = None) -> str:
     """One self-contained page (inline CSS and script, nothing fetched) of the first ``n`` examples."""
     parts, total_loss = [], 0
     shown = min(n, len(data))
@@ -68,10 +113,11 @@ def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None 
         n_loss = sum(1 for x in labels if x != IGNORE_INDEX)
         total_loss += n_loss
         truncated = max_length is not None and len(ids) > max_length
+        kind = [KINDS[k] for k in kinds[i]] if kinds else ["loss" if x != IGNORE_INDEX else "ctx" for x in labels]
         spans = "".join(
-            f'<span class="t {"loss" if lab != IGNORE_INDEX else "ctx"}" title="#{j} id {t}">'
+            f'<span class="t {"ctx" if k == "context" else k}" title="#{j} id {t}">'
             f"{html.escape(tokenizer.decode([t]))}</span>"
-            for j, (t, lab) in enumerate(zip(ids, labels)))
+            for j, (t, k) in enumerate(zip(ids, kind)))
         note = f' <span class="trunc">truncated at {max_length}</span>' if truncated else ""
         parts.append(f'<div class="ex" id="ex{i}" data-loss="{n_loss}" data-truncated="{int(truncated)}">'
                      f"<h3>example {i} (row {int(data.rows[i])}): {len(ids)} tokens, {n_loss} carry loss{note}</h3>"

@@ -15,6 +15,7 @@ token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``...) but not the newline a templa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections import Counter
@@ -41,6 +42,7 @@ from leansft.core.errors import TemplateError
 IGNORE_INDEX = -100
 LossOn = Literal["assistant", "last_assistant", "all"]
 Reasoning = Literal["keep", "drop"]
+KINDS = ("context", "target", "thinking", "tool_call", "tool_result")  # what show-mask tells apart
 MultiTurn = Literal["auto", "single", "per_turn"]
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _EMPTY_THINK = re.compile(r"\s*<think>\s*</think>\s*")  # the empty reasoning block Qwen3-style templates insert
@@ -359,4 +361,46 @@ class ChatEncoder:
                 self.stats["per_turn_conversations"] += 1
                 self.stats["per_turn_examples"] += len(out[i])
                 self.stats["per_turn_extra_tokens"] += sum(len(ids) for ids, _ in out[i]) - len(single.ids)
+        return out
+
+    # -- what each token is, for show-mask -------------------------------------------------------
+    def explain(self, conv: Conversation) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``(input_ids, labels, kinds)`` of each example of ``conv``; ``kinds`` indexes ``KINDS``: thinking,
+        tool-call text and tool results told apart from other loss and context tokens (for display only)."""
+        encoded = self.encode([conv])[0]
+        if conv.text is not None:
+            return [(ids, labels, np.full(len(ids), KINDS.index("target"), np.int8)) for ids, labels in encoded]
+        chat = self._for_template(conv)
+        _, found = self._examples(0, conv, chat)
+        out = []
+        for ex, (ids, labels) in zip(found, encoded):
+            starts = np.array([s for s, _ in self._backend.encode(ex.text, add_special_tokens=False).offsets])
+            kinds = np.where(labels != IGNORE_INDEX, KINDS.index("target"), KINDS.index("context")).astype(np.int8)
+
+            def mark(kind: str, a: int, b: int, loss: bool) -> None:
+                hit = (starts >= a) & (starts < b) & ((labels != IGNORE_INDEX) == loss)
+                kinds[hit] = KINDS.index(kind)
+
+            at = 0
+            for ai, m in enumerate(chat):
+                if m["role"] == "tool":  # templates write results raw or as a JSON string
+                    for form in (str(m.get("content", "")), json.dumps(str(m.get("content", "")))[1:-1]):
+                        p = ex.text.find(form, at) if form.strip() else -1
+                        if p >= 0:
+                            mark("tool_result", p, p + len(form), False)
+                            at = p + len(form)
+                            break
+            for c0, c1, ai in ex.spans:
+                m = chat[ai] if ai >= 0 else {}
+                if m.get("tool_calls"):
+                    mark("tool_call", c0, c1, True)
+                    content = str(m.get("content") or "").strip()
+                    p = ex.text.find(content, c0, c1) if content else -1
+                    if p >= 0:
+                        mark("target", p, p + len(content), True)
+                thinking = _reasoning(m) if m else None
+                p = ex.text.find(thinking, c0, c1) if thinking else -1
+                if p >= 0:
+                    mark("thinking", p, p + len(thinking), True)
+            out.append((ids, labels, kinds))
         return out
