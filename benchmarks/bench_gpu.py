@@ -28,7 +28,7 @@ def synthetic(n: int, vocab: int) -> TokenizedDataset:
     lengths = lognormal_lengths(n, 450, 0.9, 4096, seed=0)
     off = np.concatenate([[0], np.cumsum(lengths)])
     ids = np.random.default_rng(0).integers(0, vocab, off[-1]).astype(np.int32)
-    return TokenizedDataset(ids, ids.copy(), off, np.arange(n), np.zeros(n, np.int32), np.arange(n))
+    return TokenizedDataset.from_arrays(ids, ids.copy(), off)
 
 
 def run(model, batches, steps, device, params, peak) -> dict:

@@ -39,7 +39,7 @@ def test_cache_hit_skips_tokenisation_and_keys_on_template(tmp_path, tok, monkey
     monkeypatch.setattr(template_mod.ChatEncoder, "encode", boom)
     second, rep2 = build(tok, tmp_path, [path])
     assert rep2.sources[0]["cache"] == "hit"
-    assert np.array_equal(first.input_ids, second.input_ids) and np.array_equal(first.labels, second.labels)
+    assert all(np.array_equal(a, b) for a, b in zip(first.flat(), second.flat()))
     with pytest.raises(AssertionError, match="re-tokenised"):  # another template is another key
         build(tok, tmp_path, [path], template="llama3")
     with pytest.raises(AssertionError, match="re-tokenised"):  # so is another file content
@@ -85,7 +85,7 @@ def test_pii_scrub(tmp_path, tok):
                         {"role": "assistant", "content": "card 4111 1111 1111 1111 from 192.168.1.20"}]}
     path = write_jsonl(tmp_path / "d.jsonl", [row])
     ds, rep = build(tok, tmp_path, [path], clean=CleanConfig(pii_scrub=True))
-    text = tok.decode(ds.input_ids)
+    text = tok.decode(ds.flat()[0])
     for secret in ("jane.doe", "555-0132", "4111", "192.168"):
         assert secret not in text
     assert rep.sources[0]["pii_replaced"] == {"email": 1, "phone": 1, "card": 1, "ip": 1}
@@ -105,4 +105,4 @@ def test_labels_first_token_never_counts(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "all tokens train"}])
     ds, _ = build(tok, tmp_path, [path])
     assert ds.target_counts[0] == ds.lengths[0] - 1
-    assert (ds.labels != IGNORE_INDEX).all()
+    assert (ds.flat()[1] != IGNORE_INDEX).all()

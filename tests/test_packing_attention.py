@@ -23,8 +23,7 @@ def dataset(seqs: list[list[int]], prompt: int = 2) -> TokenizedDataset:
     np.cumsum([len(s) for s in seqs], out=off[1:])
     for a in off[:-1]:
         labels[a : a + prompt] = IGNORE_INDEX  # a short "prompt" without loss
-    n = len(seqs)
-    return TokenizedDataset(ids, labels, off, np.arange(n), np.zeros(n, np.int32), np.arange(n))
+    return TokenizedDataset.from_arrays(ids, labels, off)
 
 
 def run(model, data, examples):

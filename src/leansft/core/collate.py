@@ -78,10 +78,7 @@ def collate_packed(data: TokenizedDataset, example: np.ndarray, start: np.ndarra
     cu = np.zeros(len(length) + 1, dtype=np.int64)
     np.cumsum(length, out=cu[1:])
     total = int(cu[-1])
-    src = data.offsets[:-1][example] + np.asarray(start, dtype=np.int64)
-    gather = np.repeat(src - cu[:-1], length) + np.arange(total)
-    ids = data.input_ids[gather].astype(np.int64)
-    labels = data.labels[gather].astype(np.int64)
+    ids, labels = data.tokens(example, start, length)
     labels[cu[:-1][length > 0]] = IGNORE_INDEX
     positions = np.arange(total) - np.repeat(cu[:-1], length)
     return PackedBatch(
@@ -122,10 +119,7 @@ def collate_padded(data: TokenizedDataset, examples: np.ndarray, pad_id: int, ma
     ids = np.full((len(examples), width), pad_id, dtype=np.int64)
     labels = np.full((len(examples), width), IGNORE_INDEX, dtype=np.int64)
     mask = np.arange(width)[None, :] < lens[:, None]
-    rows, cols = np.nonzero(mask)
-    src = data.offsets[:-1][examples][rows] + cols
-    ids[rows, cols] = data.input_ids[src]
-    labels[rows, cols] = data.labels[src]
+    ids[mask], labels[mask] = data.tokens(examples, np.zeros(len(examples), np.int64), lens)
     labels[:, 0] = IGNORE_INDEX
     positions = np.broadcast_to(np.arange(width), ids.shape).copy()
     return PaddedBatch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask.astype(np.int64)),

@@ -64,6 +64,8 @@ class DataConfig(_Strict):
     on_bad_row: Literal["error", "skip"] = "error"
     clean: CleanConfig = Field(default_factory=CleanConfig)
     cache_dir: str | None = None
+    num_workers: int | None = Field(None, ge=1, description="processes preparing data (default: every core); "
+                                    "the result does not depend on it")
 
     @field_validator("sources", mode="before")
     @classmethod

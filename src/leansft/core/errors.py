@@ -22,6 +22,10 @@ class LeanSFTError(Exception):
         self.hint = hint
         super().__init__(self.__str__())
 
+    def __reduce__(self):
+        """Picklable with its fields (errors raised in data-preparation workers reach the main process whole)."""
+        return _rebuild, (type(self), self.message, self.file, self.row, self.field, self.hint)
+
     def __str__(self) -> str:
         where = []
         if self.file is not None:
@@ -34,6 +38,10 @@ class LeanSFTError(Exception):
         if self.hint:
             text += f"\n  hint: {self.hint}"
         return text
+
+
+def _rebuild(cls, message, file, row, field, hint) -> LeanSFTError:
+    return cls(message, file=file, row=row, field=field, hint=hint)
 
 
 class DataError(LeanSFTError):

@@ -88,7 +88,7 @@ def probe_segments(data: TokenizedDataset | None, vocab_size: int) -> list[np.nd
 def check_vocabulary(model, data: TokenizedDataset) -> None:
     """Every token id of the data has a row in the model's embedding, or a clear error."""
     rows = model.get_input_embeddings().weight.shape[0]
-    top = int(data.input_ids.max()) if len(data.input_ids) else -1
+    top = data.max_token_id
     if top >= rows:
         raise ModelError(
             f"the data has token id {top} but the model's embedding has {rows} rows: the tokenizer does not "

@@ -113,11 +113,12 @@ def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None 
         n_loss = sum(1 for x in labels if x != IGNORE_INDEX)
         total_loss += n_loss
         truncated = max_length is not None and len(ids) > max_length
-        kind = [KINDS[k] for k in kinds[i]] if kinds else ["loss" if x != IGNORE_INDEX else "ctx" for x in labels]
+        kind = [KINDS[k] for k in kinds[i]] if kinds else ["target" if x != IGNORE_INDEX else "context"
+                                                              for x in labels]
         spans = "".join(
-            f'<span class="t {"ctx" if k == "context" else k}" title="#{j} id {t}">'
-            f"{html.escape(tokenizer.decode([t]))}</span>"
-            for j, (t, k) in enumerate(zip(ids, kind)))
+            f'<span class="t {"loss " if lab != IGNORE_INDEX else ""}{"ctx" if k == "context" else k}" '
+            f'title="#{j} id {t}">{html.escape(tokenizer.decode([t]))}</span>'
+            for j, (t, lab, k) in enumerate(zip(ids, labels, kind)))
         note = f' <span class="trunc">truncated at {max_length}</span>' if truncated else ""
         parts.append(f'<div class="ex" id="ex{i}" data-loss="{n_loss}" data-truncated="{int(truncated)}">'
                      f"<h3>example {i} (row {int(data.rows[i])}): {len(ids)} tokens, {n_loss} carry loss{note}</h3>"

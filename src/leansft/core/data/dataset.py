@@ -1,9 +1,11 @@
-"""Sources -> conversations -> cleaned -> tokenised, loss-masked examples, cached on disk.
+"""Sources -> conversations -> cleaned -> tokenised, loss-masked examples, cached on disk, memory-mapped.
 
-Each source is tokenised once and cached under a key made of its content hash, the tokenizer, the
-template and the masking options; the cache holds flat int32 arrays plus offsets, so loading it is a
-memory map. Cheap steps (weights, dedupe across sources, length filters, truncation) run after the
-cache, so changing them never re-tokenises.
+Each source is prepared once (in parallel shards, ``shards.py``) into a cache folder keyed by its
+content hash, the tokenizer, the template and the masking options (not the number of workers): per
+token an int32 id and a one-byte loss mask, per example its start, length, target count, prompt
+length, row and content hash. Loading is a memory map. Everything after it (mixing by weight, dedupe
+across sources, length filters, truncation, the eval split) makes index arrays over the cache, never
+a copy of the tokens, so changing those steps never re-tokenises and a large set costs little memory.
 """
 
 from __future__ import annotations
@@ -14,93 +16,152 @@ import logging
 import os
 import shutil
 import tempfile
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from leansft.core.config import DataConfig, SourceConfig
-from leansft.core.data.clean import content_hash, scrub
-from leansft.core.data.formats import Conversation, convert_row, detect_format
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
-from leansft.core.data.sources import fingerprint, read_rows
+from leansft.core.data.shards import EXAMPLE_FILES, TOKEN_FILES, prepare_source
+from leansft.core.data.sources import fingerprint
 from leansft.core.data.tokenizer import tokenizer_fingerprint
-from leansft.core.errors import DataError, LeanSFTError
+from leansft.core.errors import DataError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
-CACHE_VERSION = "5"  # 5: reasoning, per-turn expansion, per-message loss flags
-BATCH = 1024
+CACHE_VERSION = "6"  # 6: one-byte loss mask and per-example tables, written shard by shard
 
 
 @dataclass
-class TokenizedDataset:
-    """Examples as flat arrays. ``labels`` are unshifted and aligned with ``input_ids``."""
+class TokenStore:
+    """The tokenised examples of one or more sources: token arrays per source (part), memory-mapped from
+    the cache, and per-example tables over all parts (``starts`` are within the example's part)."""
 
-    input_ids: np.ndarray
-    labels: np.ndarray
-    offsets: np.ndarray
+    ids: list[np.ndarray]
+    mask: list[np.ndarray]
+    part: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    targets: np.ndarray
+    prompts: np.ndarray
     rows: np.ndarray
-    source: np.ndarray
     hashes: np.ndarray
+    max_id: int = -1
+
+    @staticmethod
+    def merge(stores: list[TokenStore]) -> TokenStore:
+        """Several sources as one store; part i is source i (the tokens stay where they are)."""
+        def cat(name: str) -> np.ndarray:
+            return np.concatenate([getattr(s, name) for s in stores]) if stores else np.zeros(0, np.int64)
+
+        return TokenStore(
+            [s.ids[0] for s in stores], [s.mask[0] for s in stores],
+            np.concatenate([np.full(len(s.starts), i, np.int32) for i, s in enumerate(stores)]) if stores
+            else np.zeros(0, np.int32),
+            cat("starts"), cat("lengths"), cat("targets"), cat("prompts"), cat("rows"), cat("hashes"),
+            max((s.max_id for s in stores), default=-1))
+
+
+class TokenizedDataset:
+    """Examples as index arrays over a ``TokenStore``: example i is stored example ``index[i]``, cut to
+    ``lengths[i]`` tokens. Labels are unshifted: the id where the mask is set, -100 elsewhere."""
+
+    def __init__(self, store: TokenStore, index: np.ndarray | None = None, lengths: np.ndarray | None = None):
+        self.store = store
+        self.index = np.arange(len(store.starts), dtype=np.int64) if index is None else np.asarray(index, np.int64)
+        self.lengths = store.lengths[self.index] if lengths is None else np.asarray(lengths, np.int64)
+
+    @staticmethod
+    def from_arrays(input_ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray,
+                    rows: np.ndarray | None = None) -> TokenizedDataset:
+        """An in-memory dataset from flat arrays (tests, benchmarks)."""
+        ids, mask = np.asarray(input_ids, np.int32), (np.asarray(labels) != IGNORE_INDEX).astype(np.uint8)
+        offsets = np.asarray(offsets, np.int64)
+        starts, lengths = offsets[:-1], np.diff(offsets)
+        targets = np.array([mask[a + 1 : b].sum() if b > a else 0 for a, b in zip(offsets[:-1], offsets[1:])],
+                           dtype=np.int64)
+        prompts = np.array([int(mask[a:b].argmax()) if mask[a:b].any() else b - a
+                            for a, b in zip(offsets[:-1], offsets[1:])], dtype=np.int64)
+        n = len(starts)
+        rows = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        return TokenizedDataset(TokenStore([ids], [mask], np.zeros(n, np.int32), starts, lengths, targets, prompts,
+                                           rows, np.arange(n, dtype=np.int64), int(ids.max()) if len(ids) else -1))
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.index)
 
     @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+    def rows(self) -> np.ndarray:
+        return self.store.rows[self.index]
+
+    @property
+    def source(self) -> np.ndarray:
+        return self.store.part[self.index]
+
+    @property
+    def hashes(self) -> np.ndarray:
+        return self.store.hashes[self.index]
+
+    @property
+    def max_token_id(self) -> int:
+        return self.store.max_id
+
+    def _cut(self) -> np.ndarray:
+        return np.flatnonzero(self.lengths < self.store.lengths[self.index])
 
     @property
     def target_counts(self) -> np.ndarray:
         """Tokens that are predicted (label set, not the first token of the example)."""
-        mask = (self.labels != IGNORE_INDEX).astype(np.int64)
-        mask[self.offsets[:-1][self.lengths > 0]] = 0
-        csum = np.concatenate([[0], np.cumsum(mask)])
-        return csum[self.offsets[1:]] - csum[self.offsets[:-1]]
+        out = self.store.targets[self.index].copy()
+        for i in self._cut():  # examples cut at max_length: count what is left
+            out[i] = int(self._mask(i)[1:].sum())
+        return out
 
     @property
     def prompt_lengths(self) -> np.ndarray:
         """Tokens before each example's first loss token (the whole example when none carries loss)."""
-        targets = np.flatnonzero(self.labels != IGNORE_INDEX)
-        owner = np.searchsorted(self.offsets, targets, side="right") - 1
-        examples, first = np.unique(owner, return_index=True)
-        out = self.lengths.copy()
-        out[examples] = targets[first] - self.offsets[examples]
-        return out
+        return np.minimum(self.store.prompts[self.index], self.lengths)
+
+    def _mask(self, i: int) -> np.ndarray:
+        e = self.index[i]
+        a = self.store.starts[e]
+        return self.store.mask[self.store.part[e]][a : a + self.lengths[i]]
 
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        a, b = self.offsets[i], self.offsets[i + 1]
-        return self.input_ids[a:b], self.labels[a:b]
+        e = self.index[i]
+        a = self.store.starts[e]
+        ids = self.store.ids[self.store.part[e]][a : a + self.lengths[i]]
+        return ids, np.where(self._mask(i) != 0, ids, IGNORE_INDEX).astype(np.int32)
+
+    def tokens(self, examples: np.ndarray, offsets: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, labels) as int64, flat: ``counts[j]`` tokens of example ``examples[j]`` from token
+        ``offsets[j]`` on, gathered from the (memory-mapped) store."""
+        counts = np.asarray(counts, dtype=np.int64)
+        ex = self.index[np.asarray(examples, dtype=np.int64)]
+        cu = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        at = np.repeat(self.store.starts[ex] + np.asarray(offsets, np.int64) - cu[:-1], counts) + np.arange(cu[-1])
+        part = self.store.part[ex]
+        ids = np.empty(int(cu[-1]), dtype=np.int64)
+        mask = np.empty(int(cu[-1]), dtype=bool)
+        for p in np.unique(part):
+            sel = slice(None) if len(self.store.ids) == 1 else np.repeat(part == p, counts)
+            ids[sel] = self.store.ids[p][at[sel]]
+            mask[sel] = self.store.mask[p][at[sel]] != 0
+        return ids, np.where(mask, ids, IGNORE_INDEX)
+
+    def flat(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every example's (ids, labels), concatenated: a copy, for inspection and tests."""
+        return self.tokens(np.arange(len(self)), np.zeros(len(self), np.int64), self.lengths)
 
     def select(self, idx: np.ndarray, max_length: int | None = None) -> TokenizedDataset:
-        """Gather examples ``idx`` (repeats allowed), cutting each at ``max_length`` tokens."""
+        """Examples ``idx`` (repeats allowed), each cut at ``max_length`` tokens: index arrays, no copy."""
         idx = np.asarray(idx, dtype=np.int64)
-        starts = self.offsets[:-1][idx]
-        lens = self.lengths[idx]
+        lengths = self.lengths[idx]
         if max_length is not None:
-            lens = np.minimum(lens, max_length)
-        new_off = np.zeros(len(idx) + 1, dtype=np.int64)
-        np.cumsum(lens, out=new_off[1:])
-        gather = np.repeat(starts - new_off[:-1], lens) + np.arange(new_off[-1])
-        return TokenizedDataset(
-            self.input_ids[gather], self.labels[gather], new_off, self.rows[idx], self.source[idx], self.hashes[idx]
-        )
-
-    @staticmethod
-    def concat(parts: list[TokenizedDataset]) -> TokenizedDataset:
-        offs, base = [np.zeros(1, np.int64)], 0
-        for p in parts:
-            offs.append(p.offsets[1:] + base)
-            base += int(p.offsets[-1])
-        def cat(name: str, dtype) -> np.ndarray:
-            return np.concatenate([getattr(p, name) for p in parts]).astype(dtype) if parts else np.zeros(0, dtype)
-
-        return TokenizedDataset(
-            cat("input_ids", np.int32), cat("labels", np.int32), np.concatenate(offs),
-            cat("rows", np.int64), cat("source", np.int32), cat("hashes", np.int64),
-        )
+            lengths = np.minimum(lengths, max_length)
+        return TokenizedDataset(self.store, self.index[idx], lengths)
 
 
 @dataclass
@@ -130,87 +191,35 @@ def _cache_key(src: SourceConfig, cfg: DataConfig, tok_fp: str, template: ChatTe
     return h.hexdigest()[:32]
 
 
-def _convert_source(src: SourceConfig, cfg: DataConfig, meta: dict) -> list[Conversation]:
-    fmt = src.format
-    convs: list[Conversation] = []
-    bad: list[str] = []
-    pii: Counter = Counter()
-    no_assistant = 0
-    for number, row in read_rows(src.path, src.split):
-        try:
-            if fmt == "auto":
-                fmt = detect_format(row, src.path, number)
-                log.info("%s: detected format '%s' from row %d", src.path, fmt, number)
-            conv = convert_row(row, fmt, src.path, number)
-        except DataError as err:
-            if cfg.on_bad_row == "error":
-                raise
-            bad.append(str(err))
-            continue
-        if cfg.clean.drop_no_assistant and not conv.has_assistant:
-            no_assistant += 1
-            continue
-        if cfg.clean.pii_scrub:
-            conv = scrub(conv, pii)
-        convs.append(conv)
-    if not convs and not bad and no_assistant == 0:
-        raise DataError("no rows (empty data)", file=src.path)
-    meta.update(format=fmt, rows_read=len(convs) + len(bad) + no_assistant, bad_rows=len(bad),
-                bad_row_examples=bad[:5], no_assistant=no_assistant, pii_replaced=dict(pii))
-    return convs
+def _open(folder: Path, meta: dict) -> TokenStore:
+    """The cached arrays of one source, memory-mapped."""
+    def tokens(name: str, dtype) -> np.ndarray:
+        path = folder / f"{name}.bin"
+        return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
 
-
-def _tokenize_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, meta: dict) -> TokenizedDataset:
-    convs = _convert_source(src, cfg, meta)
-    ids_parts, lab_parts, lens, owner = [], [], [], []
-    for i in range(0, len(convs), BATCH):
-        try:
-            for k, examples in enumerate(encoder.encode(convs[i : i + BATCH]), start=i):
-                for ids, labels in examples:
-                    ids_parts.append(ids)
-                    lab_parts.append(labels)
-                    lens.append(len(ids))
-                    owner.append(k)
-        except LeanSFTError as err:
-            if err.file is None:
-                err.file = src.path
-            raise type(err)(err.message, file=err.file, row=err.row, field=err.field, hint=err.hint) from None
-    meta["template"] = dict(encoder.stats)
-    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    return TokenizedDataset(
-        np.concatenate(ids_parts).astype(np.int32) if ids_parts else np.zeros(0, np.int32),
-        np.concatenate(lab_parts).astype(np.int32) if lab_parts else np.zeros(0, np.int32),
-        offsets,
-        np.asarray([convs[k].row for k in owner], dtype=np.int64),
-        np.zeros(len(owner), dtype=np.int32),
-        np.asarray([content_hash(convs[k]) for k in owner], dtype=np.int64),  # shared by a conversation's turns
-    )
-
-
-_ARRAYS = ("input_ids", "labels", "offsets", "rows", "source", "hashes")
+    per_example = {n: np.load(folder / f"{n}.npy", mmap_mode="r") for n in EXAMPLE_FILES}
+    n = len(per_example["starts"])
+    return TokenStore([tokens("input_ids", TOKEN_FILES["input_ids"])], [tokens("mask", TOKEN_FILES["mask"])],
+                      np.zeros(n, np.int32), **per_example, max_id=meta.get("max_token_id", -1))
 
 
 def load_source(
     src: SourceConfig, cfg: DataConfig, tokenizer, template: ChatTemplate, cache_dir: Path | None = None
-) -> tuple[TokenizedDataset, dict]:
-    """Tokenised examples of one source, from the cache when the key matches. Returns (data, meta)."""
+) -> tuple[TokenStore, dict]:
+    """Tokenised examples of one source, from the cache when the key matches. Returns (store, meta)."""
     cache_root = Path(cache_dir or cfg.cache_dir or default_cache_dir()) / "tokenized"
     key = _cache_key(src, cfg, tokenizer_fingerprint(tokenizer), template)
     folder = cache_root / key
     if (folder / "meta.json").exists():
         meta = json.loads((folder / "meta.json").read_text())
-        arrays = {n: np.load(folder / f"{n}.npy", mmap_mode="r") for n in _ARRAYS}
         meta["cache"] = "hit"
-        return TokenizedDataset(**arrays), meta
+        return _open(folder, meta), meta
     meta: dict = {"path": src.path}
-    data = _tokenize_source(src, cfg, ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn),
-                            meta)
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-"))
     try:
-        for n in _ARRAYS:
-            np.save(tmp / f"{n}.npy", getattr(data, n))
+        encoder = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn)
+        prepare_source(src, cfg, encoder, tmp, meta)
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:
             os.rename(tmp, folder)
@@ -220,7 +229,7 @@ def load_source(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     meta["cache"] = "miss"
-    return data, meta
+    return _open(folder, meta), meta
 
 
 def _weighted_indices(n: int, weight: float, rng: np.random.Generator) -> np.ndarray:
@@ -245,14 +254,15 @@ def build_dataset(
         raise DataError("no data sources given", field="data.sources")
     rng = np.random.default_rng(seed)
     report = PrepReport()
-    parts = []
-    for si, src in enumerate(sources):
-        data, meta = load_source(src, cfg, tokenizer, template)
-        data = data.select(_weighted_indices(len(data), src.weight, rng))
-        data.source[:] = si
-        report.sources.append({**meta, "weight": src.weight, "examples": len(data)})
-        parts.append(data)
-    data = TokenizedDataset.concat(parts)
+    stores, picks, base = [], [], 0
+    for src in sources:
+        store, meta = load_source(src, cfg, tokenizer, template)
+        pick = _weighted_indices(len(store.starts), src.weight, rng)
+        report.sources.append({**meta, "weight": src.weight, "examples": len(pick)})
+        stores.append(store)
+        picks.append(pick + base)
+        base += len(store.starts)
+    data = TokenizedDataset(TokenStore.merge(stores), np.concatenate(picks))
     keep = np.ones(len(data), dtype=bool)
     if cfg.clean.dedupe:
         # A repeat made by a weight > 1 is intended: a text's first (source, row) owns it, and copies of

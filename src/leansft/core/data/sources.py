@@ -1,14 +1,15 @@
 """Read raw rows from a data source: jsonl, json, parquet, csv, a local HF dataset folder, or a Hub name.
 
 Rows come out as ``(row_number, dict)`` with 1-based row numbers, so errors can name them.
-For .jsonl the row number is the line number.
+For .jsonl the row number is the line number. Every reader streams (jsonl line by line, parquet by
+record batch, csv by line, datasets row by row) except a JSON array file, which is parsed whole.
+``read_raw_rows`` leaves jsonl lines unparsed, so parsing can run in the preparation workers.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +25,8 @@ def _not_utf8(path: Path, err: UnicodeDecodeError, offset: int, row: int | None)
                      file=str(path), row=row, hint="re-encode the file as UTF-8")
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """One JSON object per line; lines are decoded one by one so a bad byte names its line and offset."""
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Decoded non-blank lines; decoded one by one so a bad byte names its line and offset."""
     offset = 0
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
@@ -34,15 +35,26 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             except UnicodeDecodeError as err:
                 raise _not_utf8(path, err, offset, lineno) from None
             offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"invalid JSON: {err.msg} (column {err.colno})", file=str(path), row=lineno) from None
-            if not isinstance(row, dict):
-                raise DataError(f"expected a JSON object, got {type(row).__name__}", file=str(path), row=lineno)
-            yield lineno, row
+            if line.strip():
+                yield lineno, line
+
+
+def parse_row(raw: str | dict, file: str, number: int) -> dict:
+    """A row from ``read_raw_rows``: a jsonl line parsed (errors name file and line), a dict as it is."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        row = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise DataError(f"invalid JSON: {err.msg} (column {err.colno})", file=file, row=number) from None
+    if not isinstance(row, dict):
+        raise DataError(f"expected a JSON object, got {type(row).__name__}", file=file, row=number)
+    return row
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    for lineno, line in _jsonl_lines(path):
+        yield lineno, parse_row(line, str(path), lineno)
 
 
 def _read_text(path: Path) -> str:
@@ -76,7 +88,15 @@ def _read_json(path: Path) -> Iterator[tuple[int, dict]]:
 def _read_csv(path: Path) -> Iterator[tuple[int, dict]]:
     """A header row, then rows of exactly as many fields. Parsed strictly: an unclosed quote or a ragged
     row is an error naming its line, never rows silently merged. Rows are numbered from 1 after the header."""
-    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as fh:
+            yield from _csv_rows(path, csv.reader(fh, strict=True))
+    except UnicodeDecodeError:
+        _read_text(path)  # raises the error naming the line and byte offset
+        raise
+
+
+def _csv_rows(path: Path, reader) -> Iterator[tuple[int, dict]]:
     try:
         header = next(reader, None)
         if header is None:
@@ -95,11 +115,16 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, dict]]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
+        i = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                i += 1
+                yield i, row
+    except DataError:
+        raise
     except Exception as err:  # pyarrow raises several types for a bad file
         raise DataError(f"cannot read parquet: {err}", file=str(path)) from None
-    for i, row in enumerate(table.to_pylist(), start=1):
-        yield i, row
 
 
 def _read_hf(path_or_name: str, split: str) -> Iterator[tuple[int, dict]]:
@@ -126,21 +151,26 @@ def _read_hf(path_or_name: str, split: str) -> Iterator[tuple[int, dict]]:
         yield i, dict(row)
 
 
-def read_rows(path: str, split: str = "train") -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(row_number, row)`` from a file, a local dataset folder, or a Hub dataset name."""
+def read_raw_rows(path: str, split: str = "train") -> Iterator[tuple[int, str | dict[str, Any]]]:
+    """Like ``read_rows``, but jsonl lines come unparsed (``parse_row`` parses them)."""
     p = Path(path)
     suffix = p.suffix.lower()
     if p.is_file():
-        readers = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}
+        readers = {".jsonl": _jsonl_lines, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}
         if suffix not in readers:
-            raise DataError(
-                f"unknown data file type '{suffix}'", file=path, hint="use .jsonl, .json, .parquet, .csv or a dataset folder"
-            )
+            raise DataError(f"unknown data file type '{suffix}'", file=path,
+                            hint="use .jsonl, .json, .parquet, .csv or a dataset folder")
         yield from readers[suffix](p)
         return
     if suffix in LOCAL_SUFFIXES:
         raise DataError("file not found", file=path)
     yield from _read_hf(path, split)
+
+
+def read_rows(path: str, split: str = "train") -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(row_number, row)`` from a file, a local dataset folder, or a Hub dataset name."""
+    for number, raw in read_raw_rows(path, split):
+        yield number, parse_row(raw, path, number)
 
 
 def fingerprint(path: str) -> str:

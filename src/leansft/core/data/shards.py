@@ -1,0 +1,198 @@
+"""Prepare one source in shards, in parallel, straight into its cache folder.
+
+The main process streams raw rows (jsonl lines unparsed) in shards of ``SHARD`` rows; worker processes
+(forked, so they share the tokenizer and template without pickling them) parse, convert, clean, render,
+mask and tokenise a shard each; the main process appends each shard's arrays to the cache files in
+shard order. Peak memory is a few shards, whatever the source's size, and the arrays are the same bytes
+for any number of workers (shards never depend on it).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from itertools import chain, islice
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+from leansft.core.config import DataConfig, SourceConfig
+from leansft.core.data.clean import content_hash, scrub
+from leansft.core.data.formats import convert_row, detect_format
+from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder
+from leansft.core.data.sources import parse_row, read_raw_rows
+from leansft.core.errors import DataError, LeanSFTError
+
+log = logging.getLogger("leansft")
+SHARD = 1024  # rows per shard: the unit of parallel work, of memory, and of the encoder's batches
+TOKEN_FILES = {"input_ids": np.int32, "mask": np.uint8}  # per token: the id, and 1 where it carries loss
+EXAMPLE_FILES = ("starts", "lengths", "targets", "prompts", "rows", "hashes")  # per example, int64
+
+_JOB: dict = {}  # what the workers need; set before the pool forks them
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
+    """Rows -> conversations -> examples as flat arrays, with this shard's counts."""
+    src: SourceConfig = _JOB["src"]
+    cfg: DataConfig = _JOB["cfg"]
+    encoder: ChatEncoder = _JOB["encoder"]
+    convs, bad, no_assistant, pii = [], [], 0, Counter()
+    for number, raw in shard:
+        row = parse_row(raw, src.path, number)
+        try:
+            conv = convert_row(row, _JOB["format"], src.path, number)
+        except DataError as err:
+            if cfg.on_bad_row == "error":
+                raise
+            bad.append(str(err))
+            continue
+        if cfg.clean.drop_no_assistant and not conv.has_assistant:
+            no_assistant += 1
+            continue
+        convs.append(scrub(conv, pii) if cfg.clean.pii_scrub else conv)
+    encoder.stats = Counter()
+    try:
+        encoded = encoder.encode(convs)
+    except LeanSFTError as err:
+        raise type(err)(err.message, file=err.file or src.path, row=err.row, field=err.field, hint=err.hint) from None
+    ids, mask, lengths, targets, prompts, rows, hashes = [], [], [], [], [], [], []
+    for conv, examples in zip(convs, encoded):
+        h = content_hash(conv)  # shared by the examples of one conversation (per-turn expansion)
+        for example_ids, labels in examples:
+            m = (labels != IGNORE_INDEX).astype(np.uint8)
+            ids.append(example_ids)
+            mask.append(m)
+            lengths.append(len(m))
+            targets.append(int(m[1:].sum()))  # the first token of an example never has a target
+            prompts.append(int(m.argmax()) if m.any() else len(m))
+            rows.append(conv.row)
+            hashes.append(h)
+    lengths_arr = np.asarray(lengths, dtype=np.int64)
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths_arr[:-1], out=starts[1:])
+    flat_ids = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
+    flat_mask = np.concatenate(mask) if mask else np.zeros(0, np.uint8)
+    return {
+        "input_ids": flat_ids, "mask": flat_mask, "starts": starts, "lengths": lengths_arr,
+        "targets": np.asarray(targets, dtype=np.int64), "prompts": np.asarray(prompts, dtype=np.int64),
+        "rows": np.asarray(rows, dtype=np.int64), "hashes": np.asarray(hashes, dtype=np.int64),
+        "rows_read": len(shard), "bad": bad, "no_assistant": no_assistant, "pii": pii, "template": encoder.stats,
+        "conversations": len(convs), "max_id": int(flat_ids.max()) if len(flat_ids) else -1,
+    }
+
+
+def _map_shards(fn: Callable, shards: Iterator[list], workers: int) -> Iterator[dict]:
+    """``fn`` over the shards, results in shard order; at most two shards per worker in flight."""
+    head = list(islice(shards, 2))
+    if workers <= 1 or len(head) < 2 or "fork" not in mp.get_all_start_methods():
+        yield from map(fn, chain(head, shards))
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"))
+    try:
+        pending: deque = deque()
+        for shard in chain(head, shards):
+            pending.append(pool.submit(fn, shard))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Progress:
+    """Conversations/s and tokens/s while a source is prepared: a live line on a terminal, else a log line
+    every 10 s; the final counts either way."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.t0, self.last_log = path, time.perf_counter(), time.perf_counter()
+        self.conversations = self.tokens = 0
+        console = Console(stderr=True)
+        self.bar = None
+        if console.is_terminal:
+            self.bar = Progress(TextColumn("preparing {task.description}"), TextColumn("{task.fields[info]}"),
+                                TimeElapsedColumn(), console=console, transient=True)
+            self.task = self.bar.add_task(Path(path).name, info="")
+            self.bar.start()
+
+    def _rates(self) -> str:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        return (f"{self.conversations:,} conversations ({self.conversations / dt:,.0f}/s), "
+                f"{self.tokens:,} tokens ({self.tokens / dt:,.0f}/s)")
+
+    def update(self, conversations: int, tokens: int) -> None:
+        self.conversations += conversations
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(self.task, info=self._rates())
+        elif time.perf_counter() - self.last_log > 10:
+            self.last_log = time.perf_counter()
+            log.info("preparing %s: %s", self.path, self._rates())
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        log.info("prepared %s: %s in %.1f s", self.path, self._rates(), time.perf_counter() - self.t0)
+
+
+def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, folder: Path, meta: dict) -> None:
+    """Write the source's arrays into ``folder`` (``TOKEN_FILES`` as raw arrays, ``EXAMPLE_FILES`` as .npy)
+    and its counts into ``meta``."""
+    rows = read_raw_rows(src.path, src.split)
+    first = next(rows, None)
+    if first is None:
+        raise DataError("no rows (empty data)", file=src.path)
+    fmt = src.format
+    if fmt == "auto":
+        fmt = detect_format(parse_row(first[1], src.path, first[0]), src.path, first[0])
+        log.info("%s: detected format '%s' from row %d", src.path, fmt, first[0])
+    _JOB.update(src=src, cfg=cfg, encoder=encoder, format=fmt)
+    workers = cfg.num_workers or cpu_count()
+    shards = iter(lambda it=chain([first], rows): list(islice(it, SHARD)), [])
+    per_example: dict[str, list[np.ndarray]] = {name: [] for name in EXAMPLE_FILES}
+    counts: Counter = Counter()
+    bad: list[str] = []
+    pii: Counter = Counter()
+    template: Counter = Counter()
+    progress, tokens, max_id = _Progress(src.path), 0, -1
+    files = {name: (folder / f"{name}.bin").open("wb") for name in TOKEN_FILES}
+    try:
+        for shard in _map_shards(_prepare_shard, shards, workers):
+            for name, fh in files.items():
+                shard[name].tofile(fh)
+            shard["starts"] += tokens
+            for name in EXAMPLE_FILES:
+                per_example[name].append(shard[name])
+            tokens += len(shard["input_ids"])
+            max_id = max(max_id, shard["max_id"])
+            counts.update(rows_read=shard["rows_read"], no_assistant=shard["no_assistant"],
+                          bad_rows=len(shard["bad"]))
+            bad += shard["bad"][: max(0, 5 - len(bad))]
+            pii.update(shard["pii"])
+            template.update(shard["template"])
+            progress.update(shard["conversations"], len(shard["input_ids"]))
+    finally:
+        for fh in files.values():
+            fh.close()
+        progress.close()
+        _JOB.clear()
+    for name in EXAMPLE_FILES:
+        np.save(folder / f"{name}.npy", np.concatenate(per_example[name]) if per_example[name]
+                else np.zeros(0, np.int64))
+    meta.update(format=fmt, rows_read=counts["rows_read"], bad_rows=counts["bad_rows"], bad_row_examples=bad,
+                no_assistant=counts["no_assistant"], pii_replaced=dict(pii), template=dict(template), tokens=tokens,
+                max_token_id=max_id)
