@@ -60,17 +60,15 @@ def scrub(conv: Conversation, counts: Counter) -> Conversation:
     return Conversation(messages=messages, row=conv.row, tools=conv.tools)
 
 
-_SPACES = re.compile(r"\s+")
-
-
 def content_hash(conv: Conversation) -> int:
     """64-bit hash of the normalised text (case-folded, whitespace collapsed), roles included."""
     if conv.text is not None:
         parts = ["text", conv.text]
     else:  # tool calls and tool definitions are part of what makes two conversations different
-        parts = [f"{m['role']}\x1f{m['content']}\x1f{json.dumps(m.get('tool_calls'), sort_keys=True)}"
+        parts = [f"{m['role']}\x1f{m['content']}\x1f"
+                 f"{json.dumps(m['tool_calls'], sort_keys=True) if m.get('tool_calls') else 'null'}"
                  for m in conv.messages]
         if conv.tools:
             parts.append(json.dumps(conv.tools, sort_keys=True))
-    norm = _SPACES.sub(" ", "\x1e".join(parts).casefold()).strip()
+    norm = " ".join("\x1e".join(parts).casefold().split())  # whitespace runs collapsed, ends stripped
     return int.from_bytes(hashlib.blake2b(norm.encode("utf-8"), digest_size=8).digest(), "little", signed=True)

@@ -141,9 +141,11 @@ class ChatEncoder:
         self._context = {**dict(self._compiled.globals), **self._kwargs}
         # The Rust tokenizer itself, without any truncation/padding a tokenizer.json may carry: what
         # tokenizer(text, add_special_tokens=False) runs, minus the Python-side conversion of its output.
-        self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-        self._backend.no_truncation()
-        self._backend.no_padding()
+        self._backend = tokenizer.backend_tokenizer
+        if self._backend.truncation is not None or self._backend.padding is not None:  # a copy without them
+            self._backend = Tokenizer.from_str(self._backend.to_str())
+            self._backend.no_truncation()
+            self._backend.no_padding()
         self._special = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special
         }
@@ -151,7 +153,8 @@ class ChatEncoder:
     # -- rendering -------------------------------------------------------------------------------
     def _for_template(self, conv: Conversation) -> list[dict]:
         """The messages as the template sees them (what ``apply_chat_template`` passes): no None values,
-        plain data, reasoning aliased; thinking removed when ``reasoning: drop``."""
+        reasoning aliased; thinking removed when ``reasoning: drop``. (Conversations from ``formats`` hold
+        plain JSON types already, so transformers' defensive deep copy is not needed.)"""
         chat = []
         for m in conv.messages:
             m = {k: v for k, v in m.items() if v is not None and k not in ("train", "weight")}
@@ -161,7 +164,7 @@ class ChatEncoder:
                 if lead:
                     m["content"] = m["content"][lead.end():]
             chat.append(m)
-        return _alias_reasoning_fields(_plain_template_data(chat))
+        return _alias_reasoning_fields(chat)
 
     def _jinja(self, chat: list[dict], tools: list | None, gen_prompt: bool) -> str:
         """``Template.render(messages=..., tools=..., add_generation_prompt=..., **special tokens)``, with the

@@ -31,7 +31,8 @@ from leansft.core.data.sources import parse_row, read_raw_rows
 from leansft.core.errors import DataError, LeanSFTError
 
 log = logging.getLogger("leansft")
-SHARD = 1024  # rows per shard: the unit of parallel work, of memory, and of the encoder's batches
+SHARD = 1024  # rows per shard at most: the unit of parallel work, of memory, and of the encoder's batches
+SHARD_BYTES = 1 << 19  # ... and at most about this much jsonl text (long conversations make smaller shards)
 TOKEN_FILES = {"input_ids": np.int32, "mask": np.uint8}  # per token: the id, and 1 where it carries loss
 EXAMPLE_FILES = ("starts", "lengths", "targets", "prompts", "rows", "hashes")  # per example, int64
 
@@ -93,6 +94,20 @@ def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
         "rows_read": len(shard), "bad": bad, "no_assistant": no_assistant, "pii": pii, "template": encoder.stats,
         "conversations": len(convs), "max_id": int(flat_ids.max()) if len(flat_ids) else -1,
     }
+
+
+def _shards(rows: Iterator[tuple[int, str | dict]]) -> Iterator[list[tuple[int, str | dict]]]:
+    """Consecutive rows, ``SHARD`` at most and about ``SHARD_BYTES`` of raw text: boundaries depend on the
+    data only, never on the number of workers."""
+    shard, size = [], 0
+    for number, raw in rows:
+        shard.append((number, raw))
+        size += len(raw) if isinstance(raw, str) else 0
+        if len(shard) >= SHARD or size >= SHARD_BYTES:
+            yield shard
+            shard, size = [], 0
+    if shard:
+        yield shard
 
 
 def _map_shards(fn: Callable, shards: Iterator[list], workers: int) -> Iterator[dict]:
@@ -162,7 +177,7 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
         log.info("%s: detected format '%s' from row %d", src.path, fmt, first[0])
     _JOB.update(src=src, cfg=cfg, encoder=encoder, format=fmt)
     workers = cfg.num_workers or cpu_count()
-    shards = iter(lambda it=chain([first], rows): list(islice(it, SHARD)), [])
+    shards = _shards(chain([first], rows))
     per_example: dict[str, list[np.ndarray]] = {name: [] for name in EXAMPLE_FILES}
     counts: Counter = Counter()
     bad: list[str] = []
