@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from helpers import trl_template, write_jsonl
 from test_tools import WEATHER, loss_texts
 
@@ -144,8 +145,6 @@ def test_per_message_loss_flags(load_tok, qwen25_path):
     (examples,), _ = encode_all(tok, [{"conversations": zero + [{"from": "human", "value": "x"},
                                                                 {"from": "gpt", "value": "y"}]}], fmt="sharegpt")
     assert spans_of(tok, examples) == [["y<|im_end|>"]]
-    with pytest.raises(DataError, match=r"messages\[1\].weight': fractional loss weights \(0.5\)"):
-        convert_row({"messages": [msgs[0], {**msgs[1], "train": True, "weight": 0.5}]}, "messages", "f", 1)
     with pytest.raises(DataError, match=r"messages\[1\].train': expected true or false"):
         convert_row({"messages": [msgs[0], {**msgs[1], "train": "no"}]}, "messages", "f", 1)
 
@@ -183,3 +182,37 @@ def test_glaive_trains_with_a_tool_template(tmp_path, tiny_run_assets):
                      "data.max_length=1024", "batching.tokens_per_micro_batch=2048", "training.max_steps=3")
     last = train(cfg)
     assert last["step"] == 3 and last["target_tokens_per_s"] > 0
+
+
+def test_fractional_message_weights_reach_the_batches(tmp_path, load_tok, qwen25_path, monkeypatch):
+    from leansft.core.collate import collate_packed
+    from leansft.core.config import DataConfig
+    from leansft.core.data import shards
+    from leansft.core.data.dataset import build_dataset
+
+    tok = load_tok(qwen25_path)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "weight": 0.5},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]
+    (ex,), _ = encode_all(tok, [{"messages": msgs}])
+    ids, labels = ex[0]
+    on = labels != -100
+    assert set(ex[0].weights[on].tolist()) == {0.5, 1.0} and (ex[0].weights[~on] == 1).all()
+    assert tok.decode(ids[on & (ex[0].weights == 0.5)]) == "Hello.<|im_end|>"
+    for bad in (1.5, -0.1, "half", True):
+        with pytest.raises(DataError, match=r"messages\[1\].weight': expected a number from 0 to 1"):
+            convert_row({"messages": [msgs[0], {**msgs[1], "weight": bad}]}, "messages", "f", 1)
+    # through the cache (one byte per token, the weights in a per-source table), identical for 1 and 2 workers
+    monkeypatch.setattr(shards, "SHARD", 4)
+    rows = [{"messages": [msgs[0], {**msgs[1], "weight": w}, *msgs[2:]]} for w in (0.5, 0.25, 1, 0.75) * 5]
+    rows = [{"messages": [{**m, "content": f"{m['content']} {i}"} for m in r["messages"]]} for i, r in enumerate(rows)]
+    path = write_jsonl(tmp_path / "w.jsonl", rows)
+    built = []
+    for workers in (1, 2):
+        cfg = DataConfig(sources=[path], cache_dir=str(tmp_path / f"c{workers}"), num_workers=workers)
+        data, report = build_dataset(cfg, tok, resolve_template(tok, None))
+        batch = collate_packed(data, np.arange(len(data)), np.zeros(len(data), np.int64), data.lengths)
+        built.append((report.sources[0]["weights"], batch.weights, batch.labels))
+    assert built[0][0] == built[1][0] == [0.5, 0.25, 0.75]
+    assert torch.equal(built[0][1], built[1][1]) and torch.equal(built[0][2], built[1][2])
+    w, lab = built[0][1][0, 1:], built[0][2][0, 1:]
+    assert sorted(set(w[lab != -100].tolist())) == [0.25, 0.5, 0.75, 1.0]

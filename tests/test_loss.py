@@ -188,3 +188,59 @@ def test_output_head_is_read_from_the_model():
     assert read_output_head(granite).scale == pytest.approx(0.25, rel=1e-4)
     assert read_output_head(tiny_model("llama")).scale == 1.0
     assert read_output_head(tiny_model("gemma2")).softcap == 30.0
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_token_weights_are_exact_against_full_logits(chunk):
+    """Per-token loss weights (a message's fractional ``weight``) scale loss and gradient alike."""
+    emb, ids, proj, labels, weight = setup()
+    token_weights = torch.rand(labels.shape, generator=torch.Generator().manual_seed(1))
+    out = []
+    for fn, kw in ((full_logits_loss, {}), (chunked_loss, {"chunk_size": chunk})):
+        w = weight.detach().clone().requires_grad_()
+        hidden = (emb[ids] @ proj).detach().requires_grad_()
+        loss, n = fn(hidden, w, labels, token_weights=token_weights, **kw)
+        loss.backward()
+        out.append((loss.detach(), n, hidden.grad, w.grad))
+    (l0, n0, h0, w0), (l1, n1, h1, w1) = out
+    assert n0 == n1
+    for a, b in ((l1, l0), (h1, h0), (w1, w0)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    unweighted, _ = full_logits_loss((emb[ids] @ proj).detach(), weight.detach(), labels)
+    assert not torch.isclose(l0, unweighted)
+
+
+def test_weighted_accumulation_1_vs_4_same_update():
+    """The step's normaliser is the sum of the targets' weights: accumulation does not change the update."""
+    from test_packing_attention import dataset
+
+    from leansft.core.collate import collate_packed
+    from leansft.core.data.dataset import TokenizedDataset
+
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (9, 17, 6, 25)]
+    plain = dataset(seqs, prompt=2)
+    ids, labels = plain.flat()
+    data = TokenizedDataset.from_arrays(ids, labels, np.r_[0, np.cumsum(plain.lengths)])
+    codes = data.store.mask[0]
+    codes[(codes == 1) & (np.arange(len(codes)) % 3 == 0)] = 2  # every third target weighs 0.25
+    data.store.weights[0] = np.array([0.0, 1.0, 0.25], dtype=np.float32)
+
+    def step(groups):
+        model = tiny_model("llama")
+        use_packed_attention(model, VARLEN)
+        w = model.get_output_embeddings().weight
+        batches = [collate_packed(data, np.asarray(gr), np.zeros(len(gr), np.int64), data.lengths[np.asarray(gr)])
+                   for gr in groups]
+        assert all(b.weights is not None for b in batches)
+        total = sum(b.target_weight for b in batches)
+        for b in batches:
+            loss_sum, _ = chunked_loss(packed_forward(model, b), w, b.labels, chunk_size=16, token_weights=b.weights)
+            normalise(loss_sum, total).backward()
+        return total, [p.grad.detach().clone() for p in model.parameters()]
+
+    t1, g1 = step([[0, 1, 2, 3]])
+    t4, g4 = step([[0], [1], [2], [3]])
+    n_targets = sum(int(np.count_nonzero(data.example(i)[1][1:] != IGNORE_INDEX)) for i in range(4))
+    assert t1 == pytest.approx(t4) and t1 < n_targets
+    assert max(float((a - b).abs().max()) for a, b in zip(g1, g4)) < 1e-6

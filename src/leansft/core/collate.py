@@ -20,11 +20,19 @@ from leansft.core.packing import PackPlan
 
 class _Targets:
     labels: torch.Tensor
+    weights: torch.Tensor | None  # per-token loss weights (float32), None when every target weighs 1
 
     @property
     def target_tokens(self) -> int:
         """Tokens that carry loss after the shift (a row's first token never does)."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    @property
+    def target_weight(self) -> float:
+        """The sum of the targets' loss weights: the loss normaliser (``target_tokens`` when unweighted)."""
+        if self.weights is None:
+            return float(self.target_tokens)
+        return float(self.weights[:, 1:][self.labels[:, 1:] != IGNORE_INDEX].double().sum())
 
 
 @dataclass
@@ -36,6 +44,7 @@ class PackedBatch(_Targets):
     max_seqlen: int
     examples: np.ndarray  # example index of each piece
     starts: np.ndarray  # first token of each piece inside its example (0 unless split)
+    weights: torch.Tensor | None = None  # [1, T]
 
     @property
     def real_tokens(self) -> int:
@@ -48,7 +57,8 @@ class PackedBatch(_Targets):
 
     def to(self, device) -> PackedBatch:
         return PackedBatch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
-                           self.cu_seqlens.to(device), self.max_seqlen, self.examples, self.starts)
+                           self.cu_seqlens.to(device), self.max_seqlen, self.examples, self.starts,
+                           None if self.weights is None else self.weights.to(device))
 
 
 @dataclass
@@ -58,6 +68,7 @@ class PaddedBatch(_Targets):
     attention_mask: torch.Tensor  # [B, L]
     position_ids: torch.Tensor
     examples: np.ndarray
+    weights: torch.Tensor | None = None  # [B, L]
 
     @property
     def real_tokens(self) -> int:
@@ -69,7 +80,8 @@ class PaddedBatch(_Targets):
 
     def to(self, device) -> PaddedBatch:
         return PaddedBatch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device),
-                           self.position_ids.to(device), self.examples)
+                           self.position_ids.to(device), self.examples,
+                           None if self.weights is None else self.weights.to(device))
 
 
 def collate_packed(data: TokenizedDataset, example: np.ndarray, start: np.ndarray, length: np.ndarray) -> PackedBatch:
@@ -78,13 +90,13 @@ def collate_packed(data: TokenizedDataset, example: np.ndarray, start: np.ndarra
     cu = np.zeros(len(length) + 1, dtype=np.int64)
     np.cumsum(length, out=cu[1:])
     total = int(cu[-1])
-    ids, labels = data.tokens(example, start, length)
+    ids, labels, weights = data.tokens(example, start, length)
     labels[cu[:-1][length > 0]] = IGNORE_INDEX
     positions = np.arange(total) - np.repeat(cu[:-1], length)
     return PackedBatch(
         torch.from_numpy(ids)[None], torch.from_numpy(labels)[None], torch.from_numpy(positions)[None],
         torch.from_numpy(cu.astype(np.int32)), int(length.max()) if len(length) else 0, np.asarray(example),
-        np.asarray(start),
+        np.asarray(start), None if weights is None else torch.from_numpy(weights)[None],
     )
 
 
@@ -119,8 +131,11 @@ def collate_padded(data: TokenizedDataset, examples: np.ndarray, pad_id: int, ma
     ids = np.full((len(examples), width), pad_id, dtype=np.int64)
     labels = np.full((len(examples), width), IGNORE_INDEX, dtype=np.int64)
     mask = np.arange(width)[None, :] < lens[:, None]
-    ids[mask], labels[mask] = data.tokens(examples, np.zeros(len(examples), np.int64), lens)
+    ids[mask], labels[mask], weights = data.tokens(examples, np.zeros(len(examples), np.int64), lens)
+    if weights is not None:
+        weights, flat = np.ones(ids.shape, dtype=np.float32), weights
+        weights[mask] = flat
     labels[:, 0] = IGNORE_INDEX
     positions = np.broadcast_to(np.arange(width), ids.shape).copy()
     return PaddedBatch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask.astype(np.int64)),
-                       torch.from_numpy(positions), examples)
+                       torch.from_numpy(positions), examples, None if weights is None else torch.from_numpy(weights))

@@ -27,11 +27,15 @@ def loss_of(model, batch, hidden: torch.Tensor, chunk_size: int, backend: str = 
     head = read_output_head(model)
     weight, bias = head.weight(model), head.bias(model)
     if backend == "liger":
+        if batch.weights is not None:
+            raise ConfigError("training.loss_backend 'liger' has no per-token loss weights, which this data uses "
+                              "(a message 'weight' between 0 and 1)", field="training.loss_backend",
+                              hint="use loss_backend: chunked")
         if bias is not None or head.scale != 1.0 or head.softcap is not None:
             raise ConfigError("training.loss_backend 'liger' has no output bias, logit scale or soft-capping, which "
                               "this model uses", field="training.loss_backend", hint="use loss_backend: chunked")
         return liger_loss(hidden, weight, batch.labels)
-    return chunked_loss(hidden, weight, batch.labels, chunk_size, head.softcap, bias, head.scale)
+    return chunked_loss(hidden, weight, batch.labels, chunk_size, head.softcap, bias, head.scale, batch.weights)
 
 
 class LossModule(torch.nn.Module):

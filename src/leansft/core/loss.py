@@ -21,7 +21,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
     """logits = softcap(scale * (h @ W^T + b)); cross-entropy summed; gradients made chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size: int, scale: float, softcap: float | None):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size: int, scale: float, softcap: float | None,
+                token_weights=None):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -41,10 +42,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 logits = capped * softcap
             lse = torch.logsumexp(logits, dim=-1)
             rows = torch.arange(len(t), device=t.device)
-            total += (lse - logits[rows, t]).sum()  # before the buffer is reused below
+            tw = None if token_weights is None else token_weights[s : s + chunk_size]
+            token_loss = lse - logits[rows, t]
+            total += (token_loss if tw is None else token_loss * tw).sum()  # before the buffer is reused below
             if need_h or need_w or need_b:
                 g = logits.sub_(lse[:, None]).exp_()  # softmax in the logits' own buffer
                 g[rows, t] -= 1.0
+                if tw is not None:
+                    g *= tw[:, None]
                 if softcap is not None:
                     g *= 1.0 - capped * capped
                 if scale != 1.0:
@@ -69,7 +74,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for need, dtype in zip(ctx.has, ctx.dtypes):
             g = saved.pop(0) if need else None
             grads.append(g.mul_(grad_out.to(g.dtype)).to(dtype) if need else None)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def select_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,33 +85,46 @@ def select_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return h[keep], t[keep]
 
 
+def target_weights(labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor | None:
+    """The loss weights of the positions ``select_targets`` keeps, in its order (None: all 1)."""
+    if weights is None:
+        return None
+    return weights[:, 1:].reshape(-1)[labels[:, 1:].reshape(-1) != IGNORE_INDEX].float()
+
+
 def chunked_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
     softcap: float | None = None, bias: torch.Tensor | None = None, scale: float = 1.0,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """(summed cross-entropy over target tokens, number of target tokens). ``labels`` are unshifted.
+    """(summed cross-entropy over target tokens, number of target tokens). ``labels`` are unshifted;
+    ``token_weights`` (aligned with them) scale each target's loss and gradient.
 
     Logits are ``softcap(scale * (hidden @ weight^T + bias))``, the output layer as the model applies it
     (``leansft.core.head``)."""
     h, t = select_targets(hidden, labels)
+    tw = target_weights(labels, token_weights)
     if t.numel() == 0:
         return hidden.sum() * 0.0, 0
     if not torch.is_grad_enabled():  # evaluation: no gradient buffers (the weight may still require grad)
         h, weight = h.detach(), weight.detach()
         bias = bias.detach() if bias is not None else None
-    return _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap), int(t.numel())
+    return _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap, tw), int(t.numel())
 
 
 def full_logits_loss(hidden, weight, labels, softcap: float | None = None, bias=None,
-                     scale: float = 1.0) -> tuple[torch.Tensor, int]:
+                     scale: float = 1.0, token_weights=None) -> tuple[torch.Tensor, int]:
     """Reference: the plain full-logits cross-entropy (what a model's own loss computes), summed."""
     h, t = select_targets(hidden, labels)
+    tw = target_weights(labels, token_weights)
     logits = (h @ weight.t()).float()
     if bias is not None:
         logits = logits + bias.float()
     logits = logits * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    if tw is not None:
+        return (torch.nn.functional.cross_entropy(logits, t, reduction="none") * tw).sum(), int(t.numel())
     return torch.nn.functional.cross_entropy(logits, t, reduction="sum"), int(t.numel())
 
 
@@ -123,10 +141,11 @@ def liger_loss(hidden, weight, labels) -> tuple[torch.Tensor, int]:
     return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, h, t), int(t.numel())
 
 
-def normalise(loss_sum: torch.Tensor, step_targets: int, world_size: int = 1) -> torch.Tensor:
+def normalise(loss_sum: torch.Tensor, step_targets: float, world_size: int = 1) -> torch.Tensor:
     """Scale a micro-batch's summed loss so that the step's gradient is the token mean over the whole step.
 
-    ``step_targets`` is the target-token count of the whole optimizer step (all micro-batches, all ranks).
+    ``step_targets`` is the target-token count of the whole optimizer step (all micro-batches, all ranks),
+    or the sum of the targets' loss weights where messages carry fractional weights.
     DDP/FSDP average gradients over ranks; multiplying by ``world_size`` undoes that division.
     """
-    return loss_sum * (world_size / max(step_targets, 1))
+    return loss_sum * (world_size / (step_targets or 1.0))

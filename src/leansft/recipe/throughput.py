@@ -20,7 +20,8 @@ from leansft.core.flops import attended_squares, device_peak_flops, flop_params,
 class StepCounts:
     """One optimizer step over all ranks."""
 
-    targets: int = 0  # tokens that carry loss (the normaliser)
+    targets: int = 0  # tokens that carry loss
+    weight: float = 0.0  # the sum of their loss weights: the normaliser (= targets unless messages are weighted)
     real: int = 0  # real tokens computed
     slots: int = 0  # tensor slots computed (real + padding)
     examples: int = 0  # examples begun (a split example counts once)
@@ -49,7 +50,7 @@ class ThroughputWindow:
 
     def count(self, batches) -> StepCounts:
         """Global counts of one step (this rank's micro-batches, summed over ranks); added to the window."""
-        local = [0, 0, 0, 0, 0.0]
+        local = [0, 0, 0, 0, 0.0, 0.0]
         for b in batches:
             local[0] += b.target_tokens
             local[1] += b.real_tokens
@@ -57,9 +58,10 @@ class ThroughputWindow:
             local[3] += b.examples_begun
             local[4] += step_flops(self.body_params, self.layers, self.hidden, b.real_tokens, attended_squares(b),
                                    self.head_params, b.target_tokens)
+            local[5] += b.target_weight
         total = parallel.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device), self.device)
-        t, r, s, e, f = total.tolist()
-        step = StepCounts(int(t), int(r), int(s), int(e), f)
+        t, r, s, e, f, w = total.tolist()
+        step = StepCounts(int(t), w, int(r), int(s), int(e), f)
         self.counts += step
         return step
 

@@ -78,11 +78,12 @@ def build_engine(cfg: RunConfig, model, loss_module, total_steps: int, device: t
                   [p for _, p in trainable_parameters(model)], device, amp, cfg.training.max_grad_norm, offload, world)
 
 
-def train_step(engine: Engine, batches: list, step_targets: int, step: int) -> tuple[float, float, float]:
+def train_step(engine: Engine, batches: list, step_targets: float, step: int) -> tuple[float, float, float]:
     """One optimizer step over this rank's micro-batches; returns (loss, grad norm, lr).
 
-    Each micro-batch's summed loss is divided by the step's global target count before backward, so
-    the gradient is the token mean over the whole step, whatever the accumulation or world size."""
+    Each micro-batch's summed loss is divided by the step's global target count (the sum of loss weights
+    where messages are weighted) before backward, so the gradient is the token mean over the whole step,
+    whatever the accumulation or world size."""
     e = engine
     loss_total = torch.zeros((), device=e.device)
     for i, b in enumerate(batches):
@@ -91,7 +92,7 @@ def train_step(engine: Engine, batches: list, step_targets: int, step: int) -> t
             loss_sum = e.loss_module(b.to(e.device))
             normalise(loss_sum, step_targets, e.world).backward()
         loss_total += loss_sum.detach()
-    loss = float(parallel.all_reduce_sum(loss_total, e.device)) / max(step_targets, 1)
+    loss = float(parallel.all_reduce_sum(loss_total, e.device)) / (step_targets or 1.0)
     if not math.isfinite(loss):
         raise LeanSFTError(f"loss is {loss} at step {step}; stopping",
                            hint="lower the learning rate, check the data of this step, or use fp32")
@@ -143,7 +144,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         while state.step < total_steps and not evaluator.should_stop:
             batches, position = next(steps)
             counts = window.count(batches)
-            loss, grad_norm, lr = train_step(engine, batches, counts.targets, state.step + 1)
+            loss, grad_norm, lr = train_step(engine, batches, counts.weight, state.step + 1)
             state.advance(position, counts)
             guard.check(state.step, loss, grad_norm)
             progress.update(state.step, loss, lr, counts.real)

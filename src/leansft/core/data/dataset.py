@@ -36,10 +36,12 @@ CACHE_VERSION = "6"  # 6: one-byte loss mask and per-example tables, written sha
 @dataclass
 class TokenStore:
     """The tokenised examples of one or more sources: token arrays per source (part), memory-mapped from
-    the cache, and per-example tables over all parts (``starts`` are within the example's part)."""
+    the cache, and per-example tables over all parts (``starts`` are within the example's part).
+    ``mask`` holds loss codes (``shards.py``); ``weights[p][code]`` is the loss weight of a code in part p."""
 
     ids: list[np.ndarray]
     mask: list[np.ndarray]
+    weights: list[np.ndarray]
     part: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
@@ -56,7 +58,7 @@ class TokenStore:
             return np.concatenate([getattr(s, name) for s in stores]) if stores else np.zeros(0, np.int64)
 
         return TokenStore(
-            [s.ids[0] for s in stores], [s.mask[0] for s in stores],
+            [s.ids[0] for s in stores], [s.mask[0] for s in stores], [s.weights[0] for s in stores],
             np.concatenate([np.full(len(s.starts), i, np.int32) for i, s in enumerate(stores)]) if stores
             else np.zeros(0, np.int32),
             cat("starts"), cat("lengths"), cat("targets"), cat("prompts"), cat("rows"), cat("hashes"),
@@ -77,6 +79,7 @@ class TokenizedDataset:
                     rows: np.ndarray | None = None) -> TokenizedDataset:
         """An in-memory dataset from flat arrays (tests, benchmarks)."""
         ids, mask = np.asarray(input_ids, np.int32), (np.asarray(labels) != IGNORE_INDEX).astype(np.uint8)
+        weights = np.array([0.0, 1.0], dtype=np.float32)
         offsets = np.asarray(offsets, np.int64)
         starts, lengths = offsets[:-1], np.diff(offsets)
         targets = np.array([mask[a + 1 : b].sum() if b > a else 0 for a, b in zip(offsets[:-1], offsets[1:])],
@@ -85,7 +88,8 @@ class TokenizedDataset:
                             for a, b in zip(offsets[:-1], offsets[1:])], dtype=np.int64)
         n = len(starts)
         rows = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
-        return TokenizedDataset(TokenStore([ids], [mask], np.zeros(n, np.int32), starts, lengths, targets, prompts,
+        return TokenizedDataset(TokenStore([ids], [mask], [weights], np.zeros(n, np.int32), starts, lengths, targets,
+                                           prompts,
                                            rows, np.arange(n, dtype=np.int64), int(ids.max()) if len(ids) else -1))
 
     def __len__(self) -> int:
@@ -115,7 +119,7 @@ class TokenizedDataset:
         """Tokens that are predicted (label set, not the first token of the example)."""
         out = self.store.targets[self.index].copy()
         for i in self._cut():  # examples cut at max_length: count what is left
-            out[i] = int(self._mask(i)[1:].sum())
+            out[i] = int(np.count_nonzero(self._mask(i)[1:]))
         return out
 
     @property
@@ -134,9 +138,16 @@ class TokenizedDataset:
         ids = self.store.ids[self.store.part[e]][a : a + self.lengths[i]]
         return ids, np.where(self._mask(i) != 0, ids, IGNORE_INDEX).astype(np.int32)
 
-    def tokens(self, examples: np.ndarray, offsets: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, labels) as int64, flat: ``counts[j]`` tokens of example ``examples[j]`` from token
-        ``offsets[j]`` on, gathered from the (memory-mapped) store."""
+    @property
+    def weighted(self) -> bool:
+        """Whether some target has a loss weight other than 1."""
+        return any(len(w) > 2 for w in self.store.weights)
+
+    def tokens(self, examples: np.ndarray, offsets: np.ndarray, counts: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(ids, labels) as int64 and loss weights as float32 (None when every target weighs 1), flat:
+        ``counts[j]`` tokens of example ``examples[j]`` from token ``offsets[j]`` on, gathered from the
+        (memory-mapped) store."""
         counts = np.asarray(counts, dtype=np.int64)
         ex = self.index[np.asarray(examples, dtype=np.int64)]
         cu = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -144,16 +155,19 @@ class TokenizedDataset:
         at = np.repeat(self.store.starts[ex] + np.asarray(offsets, np.int64) - cu[:-1], counts) + np.arange(cu[-1])
         part = self.store.part[ex]
         ids = np.empty(int(cu[-1]), dtype=np.int64)
-        mask = np.empty(int(cu[-1]), dtype=bool)
+        code = np.empty(int(cu[-1]), dtype=np.uint8)
+        weights = np.empty(int(cu[-1]), dtype=np.float32) if self.weighted else None
         for p in np.unique(part):
             sel = slice(None) if len(self.store.ids) == 1 else np.repeat(part == p, counts)
             ids[sel] = self.store.ids[p][at[sel]]
-            mask[sel] = self.store.mask[p][at[sel]] != 0
-        return ids, np.where(mask, ids, IGNORE_INDEX)
+            code[sel] = self.store.mask[p][at[sel]]
+            if weights is not None:
+                weights[sel] = self.store.weights[p][code[sel]]
+        return ids, np.where(code != 0, ids, IGNORE_INDEX), weights
 
     def flat(self) -> tuple[np.ndarray, np.ndarray]:
         """Every example's (ids, labels), concatenated: a copy, for inspection and tests."""
-        return self.tokens(np.arange(len(self)), np.zeros(len(self), np.int64), self.lengths)
+        return self.tokens(np.arange(len(self)), np.zeros(len(self), np.int64), self.lengths)[:2]
 
     def select(self, idx: np.ndarray, max_length: int | None = None) -> TokenizedDataset:
         """Examples ``idx`` (repeats allowed), each cut at ``max_length`` tokens: index arrays, no copy."""
@@ -199,8 +213,9 @@ def _open(folder: Path, meta: dict) -> TokenStore:
 
     per_example = {n: np.load(folder / f"{n}.npy", mmap_mode="r") for n in EXAMPLE_FILES}
     n = len(per_example["starts"])
+    weights = np.array([0.0, 1.0, *meta.get("weights", [])], dtype=np.float32)
     return TokenStore([tokens("input_ids", TOKEN_FILES["input_ids"])], [tokens("mask", TOKEN_FILES["mask"])],
-                      np.zeros(n, np.int32), **per_example, max_id=meta.get("max_token_id", -1))
+                      [weights], np.zeros(n, np.int32), **per_example, max_id=meta.get("max_token_id", -1))
 
 
 def load_source(

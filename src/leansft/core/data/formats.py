@@ -147,18 +147,17 @@ def _reasoning_of(msg: dict) -> dict:
 
 
 def _loss_flag(r: _Row, where: str, msg: dict) -> dict:
-    """``"train": false`` or ``"weight": 0`` on a message: no loss on it (``{"train": False}``); weight 1 or
-    ``"train": true`` is the default. Fractional weights are refused rather than silently rounded."""
+    """``"train": false`` or ``"weight": 0``: no loss on the message (``{"train": False}``); a ``weight``
+    between 0 and 1 scales its tokens' loss (``{"weight": w}``); 1 or ``"train": true`` is the default."""
     train, weight = msg.get("train"), msg.get("weight")
     if train is not None and not isinstance(train, bool):
         raise r.error(f"{where}.train", f"expected true or false, got {train!r}")
-    if weight is not None:
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
-            raise r.error(f"{where}.weight", f"expected a number from 0 to 1, got {weight!r}")
-        if 0 < weight < 1:
-            raise r.error(f"{where}.weight", f"fractional loss weights ({weight}) are not supported; "
-                                              "use 0 (no loss) or 1")
-    return {"train": False} if train is False or weight == 0 else {}
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                               or not 0 <= weight <= 1):
+        raise r.error(f"{where}.weight", f"expected a number from 0 to 1, got {weight!r}")
+    if train is False or weight == 0:
+        return {"train": False}
+    return {"weight": float(weight)} if weight is not None and weight != 1 else {}
 
 
 def _message_list(r: _Row, key: str, items: Any, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict]:

@@ -56,6 +56,18 @@ def _trained(message: dict) -> bool:
     return message.get("train", True) is not False and message.get("weight", 1) != 0
 
 
+class Encoded(tuple):
+    """One example: ``(input_ids, labels)``, unpacked as a pair. ``weights``: per-token loss weights
+    (float32) when a message carries a fractional ``weight``, else None (every target weighs 1)."""
+
+    weights: np.ndarray | None
+
+    def __new__(cls, ids: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = None) -> Encoded:
+        self = super().__new__(cls, (ids, labels))
+        self.weights = weights
+        return self
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     name: str
@@ -323,11 +335,12 @@ class ChatEncoder:
         return p if p > c0 else start
 
     def _labels(self, ids: np.ndarray, offsets: np.ndarray, ex: _Example, messages: list[dict], row: int
-                ) -> np.ndarray:
+                ) -> Encoded:
         """Tokens starting at or after a span's start and ending by its end carry loss (a token that
         straddles the end belongs to what follows, e.g. the next turn's header)."""
         starts, ends = offsets[:, 0], np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
         labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
+        weights = None
         spans = ex.spans[-1:] if self.loss_on == "last_assistant" else ex.spans
         for c0, c1, ai in spans:
             message = ex.chat[ai] if ai >= 0 else None
@@ -342,9 +355,12 @@ class ChatEncoder:
             while hi > lo and self._is_blank(int(ids[hi - 1])):
                 hi -= 1
             labels[lo:hi] = ids[lo:hi]
+            if ai >= 0 and messages[ai].get("weight", 1) != 1:
+                weights = np.ones(len(ids), dtype=np.float32) if weights is None else weights
+                weights[lo:hi] = messages[ai]["weight"]
             if message is not None:
                 self._count_turn(ex.text, begin, c1, starts[lo:hi], message, ai, row)
-        return labels
+        return Encoded(ids, labels, weights)
 
     def _count_turn(self, text: str, c0: int, c1: int, token_starts: np.ndarray, message: dict, ai: int,
                     row: int) -> None:
@@ -373,7 +389,7 @@ class ChatEncoder:
             if self.loss_on == "all":
                 full = self._render(chat, tools, False, conv.row)
                 return full, [_Example(k, full, [])]
-            if self.template.has_generation_markers:
+            if self.template.has_generation_markers and self.multi_turn != "per_turn":
                 found = self._marker_examples(k, chat, tools)
                 return found[0].text, found
             return self._prefix_examples(k, chat, tools, conv.row)
@@ -382,10 +398,10 @@ class ChatEncoder:
                 raise TemplateError(err.message, row=conv.row, field=err.field, hint=err.hint) from None
             raise
 
-    def encode(self, convs: list[Conversation]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    def encode(self, convs: list[Conversation]) -> list[list[Encoded]]:
         """Encode a batch: for each conversation its examples (one, or one per assistant turn where the
         template rewrites history). Text conversations get loss on every token and a closing eos."""
-        out: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in convs]
+        out: list[list[Encoded]] = [[] for _ in convs]
         text_idx = [i for i, c in enumerate(convs) if c.text is not None]
         if text_idx:
             enc = self.tok([convs[i].text for i in text_idx], add_special_tokens=True)
@@ -394,7 +410,7 @@ class ChatEncoder:
                 if eos is not None and (not ids or ids[-1] != eos):
                     ids = ids + [eos]
                 arr = np.asarray(ids, dtype=np.int32)
-                out[i].append((arr, arr.copy()))
+                out[i].append(Encoded(arr, arr.copy()))
         examples: list[_Example] = []
         expanded: dict[int, str] = {}  # conversation -> its single rendering, to count what expansion costs
         for i, conv in enumerate(convs):
@@ -414,11 +430,11 @@ class ChatEncoder:
         for ex, e in zip(examples, encoded):
             ids = np.fromiter(e.ids, dtype=np.int32, count=len(e.ids))
             if self.loss_on == "all":
-                out[ex.conv].append((ids, ids.copy()))
+                out[ex.conv].append(Encoded(ids, ids.copy()))
                 continue
             offsets = np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64, count=2 * len(ids)).reshape(-1, 2)
             conv = convs[ex.conv]
-            out[ex.conv].append((ids, self._labels(ids, offsets, ex, conv.messages, conv.row)))
+            out[ex.conv].append(self._labels(ids, offsets, ex, conv.messages, conv.row))
         if expanded:
             singles = self._backend.encode_batch(list(expanded.values()), add_special_tokens=False)
             for i, single in zip(expanded, singles):

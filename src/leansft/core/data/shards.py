@@ -33,7 +33,9 @@ from leansft.core.errors import DataError, LeanSFTError
 log = logging.getLogger("leansft")
 SHARD = 1024  # rows per shard at most: the unit of parallel work, of memory, and of the encoder's batches
 SHARD_BYTES = 1 << 19  # ... and at most about this much jsonl text (long conversations make smaller shards)
-TOKEN_FILES = {"input_ids": np.int32, "mask": np.uint8}  # per token: the id, and 1 where it carries loss
+TOKEN_FILES = {"input_ids": np.int32, "mask": np.uint8}  # per token: the id, and its loss code (below)
+# Loss codes: 0 = no loss, 1 = weight 1, k >= 2 = the source's (k-2)-th fractional weight (meta "weights"):
+# per-message weights stay exact in one byte per token.
 EXAMPLE_FILES = ("starts", "lengths", "targets", "prompts", "rows", "hashes")  # per example, int64
 
 _JOB: dict = {}  # what the workers need; set before the pool forks them
@@ -71,15 +73,24 @@ def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
     except LeanSFTError as err:
         raise type(err)(err.message, file=err.file or src.path, row=err.row, field=err.field, hint=err.hint) from None
     ids, mask, lengths, targets, prompts, rows, hashes = [], [], [], [], [], [], []
+    weights: dict[float, int] = {}  # this shard's fractional weights -> loss code
     for conv, examples in zip(convs, encoded):
         h = content_hash(conv)  # shared by the examples of one conversation (per-turn expansion)
-        for example_ids, labels in examples:
+        for example in examples:
+            example_ids, labels = example
             m = (labels != IGNORE_INDEX).astype(np.uint8)
+            if example.weights is not None:
+                for w in np.unique(example.weights[(m == 1) & (example.weights != 1)]).tolist():
+                    code = weights.setdefault(w, len(weights) + 2)
+                    if code > 255:
+                        raise DataError("more than 254 different loss weights in one source", file=src.path,
+                                        row=conv.row, field="weight")
+                    m[(m == 1) & (example.weights == w)] = code
             ids.append(example_ids)
             mask.append(m)
             lengths.append(len(m))
-            targets.append(int(m[1:].sum()))  # the first token of an example never has a target
-            prompts.append(int(m.argmax()) if m.any() else len(m))
+            targets.append(int(np.count_nonzero(m[1:])))  # the first token of an example never has a target
+            prompts.append(int((m != 0).argmax()) if m.any() else len(m))
             rows.append(conv.row)
             hashes.append(h)
     lengths_arr = np.asarray(lengths, dtype=np.int64)
@@ -93,6 +104,7 @@ def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
         "rows": np.asarray(rows, dtype=np.int64), "hashes": np.asarray(hashes, dtype=np.int64),
         "rows_read": len(shard), "bad": bad, "no_assistant": no_assistant, "pii": pii, "template": encoder.stats,
         "conversations": len(convs), "max_id": int(flat_ids.max()) if len(flat_ids) else -1,
+        "weights": list(weights),
     }
 
 
@@ -184,9 +196,18 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
     pii: Counter = Counter()
     template: Counter = Counter()
     progress, tokens, max_id = _Progress(src.path), 0, -1
+    table: dict[float, int] = {}  # the source's fractional weights -> loss code, in order of first appearance
     files = {name: (folder / f"{name}.bin").open("wb") for name in TOKEN_FILES}
     try:
         for shard in _map_shards(_prepare_shard, shards, workers):
+            if shard["weights"]:  # shard codes -> source codes
+                lut = np.arange(256, dtype=np.uint8)
+                for i, w in enumerate(shard["weights"]):
+                    lut[i + 2] = table.setdefault(w, len(table) + 2)
+                if len(table) > 254:
+                    raise DataError("more than 254 different loss weights in one source", file=src.path,
+                                    field="weight")
+                shard["mask"] = lut[shard["mask"]]
             for name, fh in files.items():
                 shard[name].tofile(fh)
             shard["starts"] += tokens
@@ -210,4 +231,4 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
                 else np.zeros(0, np.int64))
     meta.update(format=fmt, rows_read=counts["rows_read"], bad_rows=counts["bad_rows"], bad_row_examples=bad,
                 no_assistant=counts["no_assistant"], pii_replaced=dict(pii), template=dict(template), tokens=tokens,
-                max_token_id=max_id)
+                max_token_id=max_id, weights=list(table))
