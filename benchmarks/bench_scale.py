@@ -129,8 +129,9 @@ def main() -> None:
         print(f"wrote {data} ({data.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s")
     cache = root / f"cache-{args.conversations}"
     py = sys.executable
+    cached = cache.exists()
     dt, peak, pss, out = run_measured([py, "-c", PREPARE, str(data), str(cache), str(args.workers), str(tok_dir)])
-    print(f"prepare {args.conversations:,} conversations: {dt:.0f} s, peak RSS {peak / 1e9:.2f} GB summed over "
+    print(f"prepare {args.conversations:,} conversations{' (cache hit)' if cached else ''}: {dt:.0f} s, peak RSS {peak / 1e9:.2f} GB summed over "
           f"the processes (PSS {pss / 1e9:.2f} GB)  ({out.strip().splitlines()[-1]})")
     _, _, _, out = run_measured([py, "-c", DATASET_RSS, str(data), str(cache), "0", str(tok_dir)])
     added = int(out.split("dataset_rss_added")[1].split()[0])
@@ -140,7 +141,7 @@ def main() -> None:
         tiny_model(model, str(tok_dir))
     config = root / "train.yaml"
     config.write_text(json.dumps({
-        "model": str(model), "output_dir": str(root / "run"),
+        "model": str(model), "output_dir": str(root / f"run-{args.conversations}-{time.time_ns()}"),
         "data": {"sources": [str(data)], "cache_dir": str(cache), "max_length": 1024},
         "batching": {"tokens_per_micro_batch": 4096}, "training": {"max_steps": args.steps},
         "checkpoint": {"export": False}}))
