@@ -62,9 +62,9 @@ def test_end_of_turn_masked_like_a_pad_token_fails(tmp_path, tiny_run_assets, mo
     real = ChatEncoder._labels
 
     def pad_masking(self, ids, *a):  # the classic bug: labels[ids == pad_id] = -100 with pad == eos
-        labels = real(self, ids, *a)
-        labels[ids == self.tok.pad_token_id] = -100
-        return labels
+        encoded = real(self, ids, *a)
+        encoded[1][ids == self.tok.pad_token_id] = -100  # (input_ids, labels)
+        return encoded
 
     monkeypatch.setattr(ChatEncoder, "_labels", pad_masking)
     cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")
