@@ -2,8 +2,8 @@
 
 Each source is prepared once (in parallel shards, ``shards.py``) into a cache folder keyed by its
 content hash, the tokenizer, the template and the masking options (not the number of workers): per
-token an int32 id and a one-byte loss mask, per example its start, length, target count, prompt
-length, row and content hash. Loading is a memory map. Everything after it (mixing by weight, dedupe
+token an int32 id and a one-byte loss code (0 = no loss, 1 = weight 1, else an entry of the source's
+weight table), per example its start, length, target count, prompt length, row and content hash. Loading is a memory map. Everything after it (mixing by weight, dedupe
 across sources, length filters, truncation, the eval split) makes index arrays over the cache, never
 a copy of the tokens, so changing those steps never re-tokenises and a large set costs little memory.
 """
@@ -30,7 +30,7 @@ from leansft.core.errors import DataError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
-CACHE_VERSION = "6"  # 6: one-byte loss mask and per-example tables, written shard by shard
+CACHE_VERSION = "6"  # 6: one-byte loss codes and per-example tables, written shard by shard
 
 
 @dataclass
@@ -67,7 +67,7 @@ class TokenStore:
 
 class TokenizedDataset:
     """Examples as index arrays over a ``TokenStore``: example i is stored example ``index[i]``, cut to
-    ``lengths[i]`` tokens. Labels are unshifted: the id where the mask is set, -100 elsewhere."""
+    ``lengths[i]`` tokens. Labels are unshifted: the id where the loss code is set, -100 elsewhere."""
 
     def __init__(self, store: TokenStore, index: np.ndarray | None = None, lengths: np.ndarray | None = None):
         self.store = store
@@ -88,9 +88,9 @@ class TokenizedDataset:
                             for a, b in zip(offsets[:-1], offsets[1:])], dtype=np.int64)
         n = len(starts)
         rows = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
-        return TokenizedDataset(TokenStore([ids], [mask], [weights], np.zeros(n, np.int32), starts, lengths, targets,
-                                           prompts,
-                                           rows, np.arange(n, dtype=np.int64), int(ids.max()) if len(ids) else -1))
+        store = TokenStore([ids], [mask], [weights], np.zeros(n, np.int32), starts, lengths, targets, prompts, rows,
+                           np.arange(n, dtype=np.int64), int(ids.max()) if len(ids) else -1)
+        return TokenizedDataset(store)
 
     def __len__(self) -> int:
         return len(self.index)
