@@ -421,7 +421,7 @@ class ChatEncoder:
             self._check_tools(full, conv.tools, conv.row)
             self.stats["conversations"] += 1
             self.stats["tool_results"] += sum(m["role"] == "tool" for m in chat)
-            if len(found) > 1 or (self.multi_turn == "per_turn" and found[0].text != full):
+            if len(found) > 1:
                 expanded[i] = full
             for ex in found:
                 ex.chat = chat
