@@ -24,6 +24,8 @@ PACKED_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # one flat sequence per mic
 SPLITTING_STRATEGIES = ("bfd_split", "wrapped")  # cut long examples into pieces themselves (no truncation)
 Format = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 LossOn = Literal["assistant", "last_assistant", "all"]
+Reasoning = Literal["keep", "drop"]
+MultiTurn = Literal["auto", "single", "per_turn"]
 Method = Literal["full", "lora"]
 Attention = Literal["auto", "flash", "sdpa_varlen", "flex"]
 Verify = Literal["fallback", "refuse", "skip"]
@@ -54,9 +56,9 @@ class DataConfig(_Strict):
     eval_split: float = Field(0.0, ge=0, lt=1, description="fraction held out when no eval_file is given")
     template: str | None = None
     loss_on: LossOn = "assistant"
-    reasoning: Literal["keep", "drop"] = Field("keep", description="assistant thinking (reasoning_content or a "
+    reasoning: Reasoning = Field("keep", description="assistant thinking (reasoning_content or a "
                                                "leading <think> block): keep = rendered and trained; drop = removed")
-    multi_turn: Literal["auto", "single", "per_turn"] = Field(
+    multi_turn: MultiTurn = Field(
         "auto", description="auto = one example per conversation, or one per assistant turn where the template "
         "rewrites earlier turns (Qwen3's own); single = refuse such templates; per_turn = always one per turn")
     max_length: int = Field(2048, gt=0)

@@ -7,6 +7,7 @@ as artifacts. A tracker whose package is missing is a clear error naming the pip
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -15,9 +16,19 @@ from leansft.core.config import RunConfig
 from leansft.core.errors import ConfigError
 
 
-def _missing(name: str, package: str) -> ConfigError:
-    return ConfigError(f"logging.trackers '{name}' needs the {package} package (pip install {package}, or "
-                       "pip install 'leansft[trackers]')", field="logging.trackers")
+def _require(tracker: str, module: str, package: str):
+    """The tracker's module, or a clear error naming the pip install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"logging.trackers '{tracker}' needs the {package} package (pip install {package}, or "
+                          "pip install 'leansft[trackers]')", field="logging.trackers") from None
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    """The record's numbers (booleans and the step left out)."""
+    return {k: float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -33,16 +44,12 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 class TensorBoard:
     def __init__(self, cfg: RunConfig, out: Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise _missing("tensorboard", "tensorboard") from None
-        self.writer = SummaryWriter(str(out / "tensorboard"))
+        tensorboard = _require("tensorboard", "torch.utils.tensorboard", "tensorboard")
+        self.writer = tensorboard.SummaryWriter(str(out / "tensorboard"))
 
     def log(self, record: dict) -> None:
-        for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.writer.add_scalar(k, v, record["step"])
+        for k, v in _scalars(record).items():
+            self.writer.add_scalar(k, v, record["step"])
         self.writer.flush()
 
     def samples(self, rows: list[dict]) -> None:
@@ -59,11 +66,7 @@ class Wandb:
     """W&B run in OUTPUT_DIR/wandb; offline when WANDB_MODE=offline (no account or network needed)."""
 
     def __init__(self, cfg: RunConfig, out: Path) -> None:
-        try:
-            import wandb
-        except ImportError:
-            raise _missing("wandb", "wandb") from None
-        self.wandb = wandb
+        self.wandb = wandb = _require("wandb", "wandb", "wandb")
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(project=cfg.logging.project, name=cfg.logging.run_name or out.name, dir=str(out),
                               config=cfg.model_dump(mode="json"), reinit="finish_previous")
@@ -87,10 +90,7 @@ class Mlflow:
     """MLflow run; ``logging.mlflow_tracking_uri`` (default: a local file store in OUTPUT_DIR/mlruns)."""
 
     def __init__(self, cfg: RunConfig, out: Path) -> None:
-        try:
-            import mlflow
-        except ImportError:
-            raise _missing("mlflow", "mlflow-skinny") from None
+        mlflow = _require("mlflow", "mlflow", "mlflow-skinny")
         uri = cfg.logging.mlflow_tracking_uri or (out / "mlruns").resolve().as_uri()
         if uri.startswith("file:"):  # a local file store: no server, no database
             os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
@@ -102,9 +102,7 @@ class Mlflow:
         self.out = out
 
     def log(self, record: dict) -> None:
-        values = {k: float(v) for k, v in record.items()
-                  if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self.mlflow.log_metrics(values, step=record["step"])
+        self.mlflow.log_metrics(_scalars(record), step=record["step"])
 
     def samples(self, rows: list[dict]) -> None:
         pass  # samples.jsonl goes up as an artifact at the end

@@ -4,6 +4,7 @@ as JSON, or as one self-contained HTML page."""
 from __future__ import annotations
 
 import html
+from collections import defaultdict
 
 import numpy as np
 from rich.console import Console
@@ -28,7 +29,7 @@ def example_kinds(tokenizer, template: ChatTemplate, cfg: DataConfig, data: Toke
     kinds = [np.where(data.example(i)[1] != IGNORE_INDEX, 1, 0).astype(np.int8) for i in shown]
     encoder = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn)
     for si, src in enumerate(cfg.sources):
-        wanted = {int(data.rows[i]): [] for i in shown if data.source[i] == si}
+        wanted: dict[int, list[int]] = defaultdict(list)  # row -> the shown examples made from it
         for i in shown:
             if data.source[i] == si:
                 wanted[int(data.rows[i])].append(i)

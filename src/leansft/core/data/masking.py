@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -36,16 +36,14 @@ from transformers.utils.chat_template_utils import (
     _render_with_assistant_indices,
 )
 
+from leansft.core.config import LossOn, MultiTurn, Reasoning
 from leansft.core.data.builtin_templates import BUILTIN_TEMPLATES
 from leansft.core.data.formats import Conversation
 from leansft.core.errors import TemplateError
 
 IGNORE_INDEX = -100
-LossOn = Literal["assistant", "last_assistant", "all"]
-Reasoning = Literal["keep", "drop"]
 WINDOW_MIN_TURNS = 3  # from this many assistant turns, spans are found in linear time (``_window_spans``)
 KINDS = ("context", "target", "thinking", "tool_call", "tool_result")  # what show-mask tells apart
-MultiTurn = Literal["auto", "single", "per_turn"]
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _EMPTY_THINK = re.compile(r"\s*<think>\s*</think>\s*")  # the empty reasoning block Qwen3-style templates insert
 _LEADING_THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # thinking written into an answer's content
@@ -138,8 +136,9 @@ class ChatEncoder:
 
     def __init__(self, tokenizer, template: ChatTemplate, loss_on: LossOn = "assistant",
                  reasoning: Reasoning = "keep", multi_turn: MultiTurn = "auto") -> None:
-        for name, value, allowed in (("loss_on", loss_on, get_args(LossOn)), ("reasoning", reasoning, ("keep", "drop")),
-                                     ("multi_turn", multi_turn, get_args(MultiTurn))):
+        for name, value, kind in (("loss_on", loss_on, LossOn), ("reasoning", reasoning, Reasoning),
+                                  ("multi_turn", multi_turn, MultiTurn)):
+            allowed = get_args(kind)
             if value not in allowed:
                 raise TemplateError(f"unknown {name} '{value}'", field=f"data.{name}")
         self.tok = tokenizer
@@ -281,10 +280,9 @@ class ChatEncoder:
             first = render(chat[: h + 1], False)
             if not full.startswith(first):
                 return None
-            pos = len(first)
+            pos, last_user = len(first), h if chat[h]["role"] == "user" else None
             for k in range(h + 1, len(chat)):
-                users = [j for j in range(k - 1, h - 1, -1) if chat[j]["role"] == "user"]
-                for start in dict.fromkeys((k - 1, *users[:1])):
+                for start in dict.fromkeys(j for j in (k - 1, last_user) if j is not None):
                     try:
                         before = render(head + chat[start:k], False)
                         after = render(head + chat[start : k + 1], False)
@@ -301,6 +299,8 @@ class ChatEncoder:
                     return None
                 if chat[k]["role"] == "assistant":
                     spans.append((pos + len(prompt) - len(before), pos + len(piece), k))
+                elif chat[k]["role"] == "user":
+                    last_user = k
                 pos += len(piece)
         except Exception:
             return None

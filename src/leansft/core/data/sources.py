@@ -52,11 +52,6 @@ def parse_row(raw: str | dict, file: str, number: int) -> dict:
     return row
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    for lineno, line in _jsonl_lines(path):
-        yield lineno, parse_row(line, str(path), lineno)
-
-
 def _read_text(path: Path) -> str:
     """The whole file as UTF-8 text (a byte-order mark dropped), or an error naming the line and offset."""
     raw = path.read_bytes()
@@ -121,8 +116,6 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, dict]]:
             for row in batch.to_pylist():
                 i += 1
                 yield i, row
-    except DataError:
-        raise
     except Exception as err:  # pyarrow raises several types for a bad file
         raise DataError(f"cannot read parquet: {err}", file=str(path)) from None
 
