@@ -216,3 +216,19 @@ def test_fractional_message_weights_reach_the_batches(tmp_path, load_tok, qwen25
     assert torch.equal(built[0][1], built[1][1]) and torch.equal(built[0][2], built[1][2])
     w, lab = built[0][1][0, 1:], built[0][2][0, 1:]
     assert sorted(set(w[lab != -100].tolist())) == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_thinking_is_part_of_the_duplicate_key_and_of_the_pii_scrub():
+    from collections import Counter
+
+    from leansft.core.data.clean import content_hash, scrub
+
+    def conv(thinking):
+        return convert_row({"messages": [THINKING[0], {**THINKING[1], "reasoning_content": thinking}]},
+                           "messages", "f", 1)
+
+    # two traces that reach the same answer by different reasoning are two examples, not duplicates
+    assert content_hash(conv("Two and two make four.")) != content_hash(conv("Count: 1, 2, 3, 4."))
+    counts = Counter()
+    scrubbed = scrub(conv("Ask bob@example.com."), counts)
+    assert scrubbed.messages[1]["reasoning_content"] == "Ask [EMAIL]." and counts["email"] == 1

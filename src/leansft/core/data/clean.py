@@ -56,7 +56,9 @@ def scrub_text(text: str, counts: Counter) -> str:
 def scrub(conv: Conversation, counts: Counter) -> Conversation:
     if conv.text is not None:
         return Conversation(text=scrub_text(conv.text, counts), row=conv.row)
-    messages = [{**m, "content": scrub_text(m["content"], counts)} for m in conv.messages]
+    messages = [{**m, "content": scrub_text(m["content"], counts),
+                 **({"reasoning_content": scrub_text(m["reasoning_content"], counts)}
+                    if m.get("reasoning_content") else {})} for m in conv.messages]
     return Conversation(messages=messages, row=conv.row, tools=conv.tools)
 
 
@@ -64,9 +66,10 @@ def content_hash(conv: Conversation) -> int:
     """64-bit hash of the normalised text (case-folded, whitespace collapsed), roles included."""
     if conv.text is not None:
         parts = ["text", conv.text]
-    else:  # tool calls and tool definitions are part of what makes two conversations different
+    else:  # thinking, tool calls and tool definitions are part of what makes two conversations different
         parts = [f"{m['role']}\x1f{m['content']}\x1f"
                  f"{json.dumps(m['tool_calls'], sort_keys=True) if m.get('tool_calls') else 'null'}"
+                 + (f"\x1f{m['reasoning_content']}" if m.get("reasoning_content") else "")
                  for m in conv.messages]
         if conv.tools:
             parts.append(json.dumps(conv.tools, sort_keys=True))

@@ -30,7 +30,7 @@ from leansft.core.errors import DataError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
-CACHE_VERSION = "6"  # 6: one-byte loss codes and per-example tables, written shard by shard
+CACHE_VERSION = "7"  # 7: thinking in the duplicate key and the PII scrub; 6: one-byte loss codes
 
 
 @dataclass
