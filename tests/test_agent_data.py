@@ -232,3 +232,51 @@ def test_thinking_is_part_of_the_duplicate_key_and_of_the_pii_scrub():
     counts = Counter()
     scrubbed = scrub(conv("Ask bob@example.com."), counts)
     assert scrubbed.messages[1]["reasoning_content"] == "Ask [EMAIL]." and counts["email"] == 1
+
+
+def test_thinking_under_other_field_names_becomes_reasoning_content():
+    for key in ("reasoning", "thinking", "reasoning_content"):
+        conv = convert_row({"messages": [THINKING[0], {"role": "assistant", "content": "4.", key: "Two and two."}]},
+                           "messages", "f", 1)
+        assert conv.messages[1]["reasoning_content"] == "Two and two."
+
+
+def test_per_turn_applies_to_templates_with_generation_markers_too(load_tok, qwen25_path):
+    tok = load_tok(qwen25_path)
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                          {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]}]
+    (marked,), _ = encode_all(tok, rows, trl_template("qwen2_5_training"), multi_turn="per_turn")
+    assert spans_of(tok, marked) == [["Hello.<|im_end|>"], ["Goodbye.<|im_end|>"]]
+
+
+def test_a_tokenizer_that_truncates_is_not_used_truncated(load_tok, qwen25_path):
+    tok = load_tok(qwen25_path)
+    tok.backend_tokenizer.enable_truncation(8)  # a tokenizer.json may carry truncation settings
+    (examples,), _ = encode_all(tok, [AGENT])
+    assert len(examples[0][0]) > 100 and tok.backend_tokenizer.truncation is not None  # the user's tokenizer kept
+
+
+def test_liger_refuses_weighted_targets():
+    from helpers import tiny_model
+
+    from leansft.core.collate import PackedBatch
+    from leansft.core.errors import ConfigError
+    from leansft.core.forward import loss_of
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    batch = PackedBatch(ids, ids, torch.arange(4)[None], torch.tensor([0, 4], dtype=torch.int32), 4,
+                        np.zeros(1), np.zeros(1), weights=torch.full((1, 4), 0.5))
+    with pytest.raises(ConfigError, match="per-token loss weights"):
+        loss_of(tiny_model("llama"), batch, torch.zeros(1, 4, 64), 16, backend="liger")
+
+
+def test_more_than_254_distinct_weights_in_a_source_is_an_error(tmp_path, load_tok, tiny_bpe_path):
+    from leansft.core.config import DataConfig
+    from leansft.core.data.dataset import build_dataset
+
+    tok = load_tok(tiny_bpe_path)
+    rows = [{"messages": [{"role": "user", "content": f"Hi {i}"},
+                          {"role": "assistant", "content": "Hello.", "weight": (i + 1) / 1000}]} for i in range(255)]
+    cfg = DataConfig(sources=[write_jsonl(tmp_path / "w.jsonl", rows)], cache_dir=str(tmp_path / "c"), num_workers=1)
+    with pytest.raises(DataError, match="more than 254 different loss weights"):
+        build_dataset(cfg, tok, resolve_template(tok, None))

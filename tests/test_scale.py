@@ -86,8 +86,9 @@ def cache_files(cfg: DataConfig) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in folder.iterdir() if f.name != "meta.json"}
 
 
-def test_one_and_two_workers_write_the_same_bytes(tmp_path, load_tok, qwen25_path, monkeypatch):
-    monkeypatch.setattr(shards, "SHARD", 16)  # several shards per worker
+@pytest.mark.parametrize("limit,value", [("SHARD", 16), ("SHARD_BYTES", 3000)])  # shards cut by rows / by size
+def test_one_and_two_workers_write_the_same_bytes(tmp_path, load_tok, qwen25_path, monkeypatch, limit, value):
+    monkeypatch.setattr(shards, limit, value)  # several shards per worker
     rows = synthetic_rows(150)
     rows[40] = rows[3]  # a duplicate in another shard
     rows[77] = {"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}  # a bad row
@@ -160,3 +161,15 @@ def test_training_reads_the_memory_mapped_cache(tmp_path, tiny_run_assets, monke
     monkeypatch.setattr(TokenizedDataset, "tokens", checked)
     train(run_config(tmp_path, tiny_run_assets, "training.max_steps=2", "data.eval_split=0.1", "eval.eval_every=2"))
     assert seen and all(seen)  # every batch (train and eval) gathered from the memory map, never from a copy
+
+
+def test_parquet_is_read_in_batches_and_rows_keep_their_numbers(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from leansft.core.data.sources import read_rows
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(1, 10_001)]}), path, row_group_size=3000)
+    rows = list(read_rows(str(path)))
+    assert len(rows) == 10_000 and all(row["text"] == f"row {n}" for n, row in rows)
