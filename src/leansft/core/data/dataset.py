@@ -30,7 +30,7 @@ from leansft.core.errors import DataError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
-CACHE_VERSION = "7"  # 7: thinking in the duplicate key and the PII scrub; 6: one-byte loss codes
+CACHE_VERSION = "8"  # 8: loss spans by the inference contract; 7: thinking in the dedupe key; 6: loss codes
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -39,7 +40,18 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
         raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
     if not getattr(tok, "is_fast", False):
         raise ModelError("a fast (Rust) tokenizer is required for offsets and batched tokenisation", file=spec)
+    tok.generation_eos_ids = _generation_eos_ids(path if path.is_dir() else path.parent)
     return tok
+
+
+def _generation_eos_ids(folder: Path) -> list[int]:
+    """The eos ids of the model's ``generation_config.json`` beside the tokenizer (what inference stops on)."""
+    try:
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int)]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -47,6 +59,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     h = hashlib.sha256()
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(repr(sorted(tokenizer.special_tokens_map.items(), key=str)).encode())
+    h.update(repr(getattr(tokenizer, "generation_eos_ids", None) or []).encode())
     return h.hexdigest()
 
 
