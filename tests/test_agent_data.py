@@ -169,7 +169,10 @@ def test_show_mask_colours_tool_calls_results_and_thinking(tmp_path, qwen3_path)
     html = page.read_text()
     for kind in ("target", "thinking", "tool_call", "tool_result", "ctx"):
         assert f"{kind}\" title=" in html, kind
-    assert all(set(e) == {"row", "input_ids", "labels"} for e in json.loads(js.read_text()))  # format kept
+    examples = json.loads(js.read_text())
+    assert all(set(e) == {"row", "input_ids", "labels", "stop_tokens"} for e in examples)
+    assert examples[0]["row"] == 1 and examples[0]["stop_tokens"] == ["<|im_end|>"]
+    assert "stop tokens (template &#x27;tokenizer&#x27;): &lt;|im_end|&gt;" in html
 
 
 @pytest.mark.slow

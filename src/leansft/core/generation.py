@@ -12,8 +12,10 @@ from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 
 
 def stop_token_ids(tokenizer, template: ChatTemplate) -> list[int]:
-    """eos plus the template's end-of-turn token (the last loss token of an assistant turn)."""
+    """eos, the generation config's eos ids, and the template's end-of-turn token (the stop token that ends an
+    assistant turn's loss)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    ids |= set(getattr(tokenizer, "generation_eos_ids", None) or [])
     conv = Conversation(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
     try:
         ((_, labels),), = ChatEncoder(tokenizer, template).encode([conv])

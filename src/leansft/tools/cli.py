@@ -44,7 +44,7 @@ from leansft.recipe.train import main_train
 from leansft.tools.doctor import run_doctor
 from leansft.tools.memory import ModelShape, estimate_memory
 from leansft.tools.plan_report import plot_lengths, print_plan
-from leansft.tools.show_mask import example_kinds, html_page, print_examples
+from leansft.tools.show_mask import example_kinds, html_page, print_examples, stop_summary
 from leansft.tools.stats import lognormal_lengths, plan_summary
 
 EXIT_ERROR = 2  # a clear error (bad input, config, model, divergence); EXIT_STOPPED (3): stopped by a signal
@@ -145,10 +145,12 @@ def cmd_show_mask(args) -> int:
     cfg = _data_config(args, None)
     prep = prepare_data(cfg, args.tokenizer, truncate=False, holdout=False)
     kinds = example_kinds(prep.tokenizer, prep.template, cfg, prep.train, args.n)
+    stops = stop_summary(prep.tokenizer, prep.template)
     out = print_examples(prep.tokenizer, prep.train, args.n, kinds=kinds)
+    print(stops)
     _write_json(args.json, out, indent=None)
     if args.html:
-        Path(args.html).write_text(html_page(prep.tokenizer, prep.train, args.n, args.max_length, kinds),
+        Path(args.html).write_text(html_page(prep.tokenizer, prep.train, args.n, args.max_length, kinds, stops),
                                    encoding="utf-8")
         print(f"wrote {args.html}")
     return 0

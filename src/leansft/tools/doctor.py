@@ -33,6 +33,7 @@ from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import autocast_dtype, build_model, model_location, pick_device, seed_everything
 from leansft.tools.memory import ModelShape, estimate_memory
 from leansft.tools.plan_report import template_summary
+from leansft.tools.show_mask import stop_summary
 
 SAMPLE = 64
 
@@ -79,7 +80,9 @@ def check_template(tok, template, data, report: dict) -> Check:
     per_source = [f"\n{src['path']}: {template_summary(src['template'])}" for src in report.get("sources", [])
                   if src.get("template")]
     numbers["sources"] = {src["path"]: src.get("template", {}) for src in report.get("sources", [])}
-    return Check("template", status, f"{n_spans} assistant spans found, each ends with its end-of-turn token; "
+    numbers["stop_tokens"] = stop_summary(tok, template)
+    return Check("template", status, f"{n_spans} assistant spans found, each ends with its stop token; "
+                 f"{numbers['stop_tokens']}; "
                  f"{zero} examples had zero target tokens (dropped)" + "".join(per_source), numbers)
 
 

@@ -14,6 +14,9 @@ def _gb(n: float) -> str:
 def template_summary(stats: dict) -> str:
     """One line on what a source's rendering held: tool calls and results, thinking, per-turn expansion."""
     parts = [f"{stats.get('assistant_turns', 0):,} assistant turns"]
+    stops = {k.removeprefix("stop "): v for k, v in stats.items() if k.startswith("stop ")}
+    if stops:
+        parts.append("ended by " + ", ".join(f"{t} x{n:,}" for t, n in sorted(stops.items(), key=lambda kv: -kv[1])))
     if stats.get("tool_call_turns") or stats.get("tool_results"):
         parts.append(f"{stats.get('tool_call_turns', 0):,} with tool calls, {stats.get('tool_results', 0):,} tool results")
     if stats.get("thinking_turns"):

@@ -49,20 +49,35 @@ def example_kinds(tokenizer, template: ChatTemplate, cfg: DataConfig, data: Toke
     return kinds
 
 
+def stop_summary(tokenizer, template: ChatTemplate) -> str:
+    """Which stop tokens end assistant turns for this tokenizer and template (the contract's end of the loss)."""
+    stops = ChatEncoder(tokenizer, template).stops
+    return f"stop tokens (template '{template.name}'): {stops.describe()}"
+
+
+def stop_tokens(tokenizer, labels: list[int]) -> list[str]:
+    """The last loss token of each loss span: the stop token that ends each trained turn."""
+    on = [x != IGNORE_INDEX for x in labels] + [False]
+    return [tokenizer.convert_ids_to_tokens(labels[j]) for j in range(len(labels)) if on[j] and not on[j + 1]]
+
+
 def print_examples(tokenizer, data: TokenizedDataset, n: int, console: Console | None = None,
                    kinds: list[np.ndarray] | None = None) -> list[dict]:
-    """Print the first ``n`` examples coloured by token kind; return them as ``{row, input_ids, labels}``."""
+    """Print the first ``n`` examples coloured by token kind; return them as ``{row, input_ids, labels,
+    stop_tokens}`` (README: show-mask's JSON)."""
     console = console or Console()
     out = []
     for i in range(min(n, len(data))):
         ids, labels = (a.tolist() for a in data.example(i))
-        out.append({"row": int(data.rows[i]), "input_ids": ids, "labels": labels})
+        out.append({"row": int(data.rows[i]), "input_ids": ids, "labels": labels,
+                    "stop_tokens": stop_tokens(tokenizer, labels)})
         kind = kinds[i] if kinds else [int(x != IGNORE_INDEX) for x in labels]
         text = Text()
         for t, k in zip(ids, kind):
             text.append(tokenizer.decode([t]), style=STYLES[KINDS[k]])
         n_t = sum(1 for x in labels if x != IGNORE_INDEX)
-        console.rule(f"example {i} (row {data.rows[i]}): {len(ids)} tokens, {n_t} carry loss")
+        console.rule(f"example {i} (row {data.rows[i]}): {len(ids)} tokens, {n_t} carry loss, turns end with "
+                     f"{', '.join(out[-1]['stop_tokens']) or '-'}")
         console.print(text)
     console.print(LEGEND)
     return out
@@ -105,7 +120,7 @@ function filterExamples() {{
 
 
 def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None = None,
-              kinds: list[np.ndarray] | None = None) -> str:
+              kinds: list[np.ndarray] | None = None, stops: str = "") -> str:
     """One self-contained page (inline CSS and script, nothing fetched) of the first ``n`` examples."""
     parts, total_loss = [], 0
     shown = min(n, len(data))
@@ -121,8 +136,10 @@ def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None 
             f'title="#{j} id {t}">{html.escape(tokenizer.decode([t]))}</span>'
             for j, (t, lab, k) in enumerate(zip(ids, labels, kind)))
         note = f' <span class="trunc">truncated at {max_length}</span>' if truncated else ""
+        ends = html.escape(", ".join(stop_tokens(tokenizer, labels)) or "-")
         parts.append(f'<div class="ex" id="ex{i}" data-loss="{n_loss}" data-truncated="{int(truncated)}">'
-                     f"<h3>example {i} (row {int(data.rows[i])}): {len(ids)} tokens, {n_loss} carry loss{note}</h3>"
+                     f"<h3>example {i} (row {int(data.rows[i])}): {len(ids)} tokens, {n_loss} carry loss, turns end "
+                     f"with {ends}{note}</h3>"
                      f'<div class="toks">{spans}</div></div>')
-    summary = f"{shown} of {len(data)} examples, {total_loss:,} loss tokens"
+    summary = f"{shown} of {len(data)} examples, {total_loss:,} loss tokens" + html.escape(stops and f"; {stops}")
     return _PAGE.format(summary=summary, examples="\n".join(parts))

@@ -15,7 +15,7 @@ and its context is exactly what the model is given.
   example; a turn the template renders differently in history (thinking dropped, closed with
   ``<|end|>`` instead of ``<|return|>``, tools moved) becomes an example of its own, rendered from
   ``messages[:i]`` + that turn (``multi_turn``). What cannot be placed exactly is refused.
-Templates with ``{% generation %}`` markers mark the spans themselves (cut at the stop token). The whole
+A template with ``{% generation %}`` markers and no generation prompt marks the spans itself (cut at the stop token). The whole
 text is tokenised once (batched, fast tokenizer) and character spans map to tokens by offsets.
 """
 
@@ -165,12 +165,15 @@ class ChatEncoder:
             self._backend.no_padding()
         special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.stops: StopTokens = find_stops(tokenizer, lambda chat: self._jinja(chat, None, False), special)
-        try:  # what the generation prompt adds after a user message ("<|im_start|>assistant\n")
+        # whether the template writes a generation prompt at all; a template with
+        # {% generation %} markers and no generation prompt is trained by its markers (nothing else says where
+        # answers start); with a generation prompt, the contract's rendering decides (TRL's training templates
+        # mark the newline after "<|im_start|>assistant" or the eos after the stop token)
+        try:
             user = [{"role": "user", "content": "Q"}]
-            with_prompt, without = self._jinja(user, None, True), self._jinja(user, None, False)
-            self._gen_suffix = with_prompt[len(without):] if with_prompt.startswith(without) else ""
+            self._has_gen_prompt = self._jinja(user, None, True) != self._jinja(user, None, False)
         except Exception:
-            self._gen_suffix = ""
+            self._has_gen_prompt = True
         self._stop_list = sorted(set(self.stops.declared + self.stops.fallback), key=len, reverse=True)
         # a tokenizer that marks the start of separately tokenised text ("▁x", "Ġx") cannot tokenise an answer apart
         first = self._backend.encode("x", add_special_tokens=False).tokens
@@ -240,21 +243,9 @@ class ChatEncoder:
             keep = [(span, -1) for span in (marked[-1:] if self.loss_on == "last_assistant" else marked)]
         spans = []
         for (c0, c1), ai in keep:
-            c0 = self._after_generation_prompt(text, c0)
             hit = self.stops.find(text, c0, c1)
             spans.append((c0, hit.end() if hit else c1, ai))
         return [_Example(k, text, spans)]
-
-    def _after_generation_prompt(self, text: str, c0: int) -> int:
-        """A marked span that starts inside the generation prompt (TRL's training templates mark the newline
-        after ``<|im_start|>assistant``) starts after it: the model is given the prompt, it does not generate it."""
-        suffix = self._gen_suffix
-        if not suffix or text.endswith(suffix, 0, c0):
-            return c0
-        for a in range(len(suffix) - 1, -1, -1):
-            if text.endswith(suffix[:a], 0, c0) and text.startswith(suffix[a:], c0):
-                return c0 + len(suffix) - a
-        return c0
 
     def _turn_examples(self, k: int, chat: list[dict], tools: list | None, loss: list[int], row: int
                        ) -> tuple[str, list[_Example]]:
@@ -416,7 +407,7 @@ class ChatEncoder:
                 full = self._render(chat, tools, False, conv.row)
                 return full, [_Example(k, full, [])]
             loss = self._loss_turns(chat, conv.messages)
-            if self.template.has_generation_markers and self.multi_turn != "per_turn":
+            if self.template.has_generation_markers and not self._has_gen_prompt and self.multi_turn != "per_turn":
                 found = self._marker_examples(k, chat, tools, loss)
                 return found[0].text, found
             return self._turn_examples(k, chat, tools, loss, conv.row)

@@ -85,6 +85,5 @@ def find_stops(tokenizer, render, special: set[int]) -> StopTokens:
         if first is not None:
             found.append(first)
             break
-    vocab = tokenizer.get_vocab()
-    known = [t for t in KNOWN_STOPS if t in vocab]
+    known = [t for t in KNOWN_STOPS if tokenizer.backend_tokenizer.token_to_id(t) is not None]
     return StopTokens(declared_stops(tokenizer), tuple(dict.fromkeys(found + known)))

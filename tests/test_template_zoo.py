@@ -1,0 +1,57 @@
+"""The loss-mask contract held against ~100 real chat templates (``zoo.py``): for every template and kind of
+conversation, leansft's loss is exactly the reference (the tokens between the inference prompt and the first
+stop token, per trained turn, from the template and tokenizer alone) or the example is refused with a
+reason. Zero silent mismatches. Skipped where the registries cannot be reached for the templates."""
+
+from __future__ import annotations
+
+import pytest
+import zoo
+
+
+@pytest.fixture(scope="module")
+def templates() -> dict[str, str]:
+    try:
+        return zoo.zoo_templates()
+    except Exception as err:  # no registry: the zoo cannot be fetched
+        pytest.skip(f"template zoo not available: {type(err).__name__}: {err}")
+
+
+@pytest.fixture(scope="module")
+def verdicts(templates) -> dict[str, dict[str, tuple[str, str]]]:
+    return {name: {kind: zoo.verdict(name, src, kind) for kind in zoo.KINDS} for name, src in templates.items()}
+
+
+def test_every_template_is_paired(templates):
+    assert len(templates) >= 100
+    for name in templates:
+        zoo.pairing(name)  # raises KeyError for a template without tokenizer and stop tokens
+
+
+def test_every_case_is_exact_or_refused(verdicts):
+    wrong = [f"{name} / {kind}: {detail}" for name, kinds in verdicts.items()
+             for kind, (v, detail) in kinds.items() if v not in ("exact", "expanded", "refused")]
+    assert not wrong, "silently wrong loss masks:\n" + "\n".join(wrong)
+    assert all(detail for kinds in verdicts.values() for v, detail in kinds.values() if v == "refused")
+    exact = sum(v != "refused" for kinds in verdicts.values() for v, _ in kinds.values())
+    assert exact > len(verdicts) * len(zoo.KINDS) // 2  # most cases train; the rest are refused with a reason
+
+
+def test_the_reference_sees_what_the_old_special_cases_missed(templates):
+    """The reference itself: Llama-3.1 trains its header-free answer up to <|eot_id|> and nothing after; gpt-oss
+    trains the channel header the model generates; an answer's leading spaces are trained."""
+    cases = [("meta-llama-Llama-3.1-8B-Instruct", "single", "Paris.<|eot_id|>"),
+             ("openai-gpt-oss-120b", "single", "<|channel|>final<|message|>Paris.<|return|>"),
+             ("Qwen-Qwen2.5-7B-Instruct", "leading spaces", "  A sentence with leading spaces.<|im_end|>")]
+    for name, kind, answer in cases:
+        tok, _ = zoo._prepared(name, templates[name])
+        case = zoo.KINDS[kind]
+        ((_, tokens),) = zoo.reference(tok, case["messages"], case.get("tools"), zoo.pairing(name)[2])
+        assert tok.decode(tokens) == answer
+        assert zoo.verdict(name, templates[name], kind)[0] == "exact"
+
+
+def test_readme_template_table_is_current(verdicts):
+    text = zoo.README.read_text()
+    block = text[text.index(zoo.START) + len(zoo.START): text.index(zoo.END)].strip()
+    assert block == zoo.table(verdicts), "README template table is stale: run `python tests/zoo.py`"
