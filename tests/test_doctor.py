@@ -22,10 +22,14 @@ def statuses(cfg) -> dict[str, str]:
 
 def test_all_checks_pass_on_a_correct_setup(tmp_path, tiny_run_assets):
     cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")
-    got = statuses(cfg)
+    checks = {c.name: c for c in doctor.run_checks(cfg)}
+    got = {name: c.status for name, c in checks.items()}
     assert set(got) == {"template", "truncation", "isolation", "loss", "positions", "normalisation", "memory",
                         "throughput"}
     assert all(s == "PASS" for s in got.values()), got
+    # the stop tokens the loss ends with, and how often each ended a turn
+    assert "stop tokens (template 'tokenizer'): <|im_end|>" in checks["template"].message
+    assert "ended by <|im_end|> x" in checks["template"].message
 
 
 def test_mixing_attention_fails_isolation(tmp_path, tiny_run_assets, monkeypatch):
@@ -53,7 +57,7 @@ def test_template_without_findable_assistant_turns_fails(tmp_path, tiny_run_asse
     cfg = run_config(tmp_path, tiny_run_assets, f"data.template={broken}")
     checks = doctor.run_checks(cfg)
     assert checks[0].name == "template" and checks[0].status == "FAIL"
-    assert "prefix" in checks[0].message and checks[0].fix
+    assert "cannot be trained exactly" in checks[0].message and checks[0].fix
 
 
 def test_end_of_turn_masked_like_a_pad_token_fails(tmp_path, tiny_run_assets, monkeypatch):
@@ -62,9 +66,9 @@ def test_end_of_turn_masked_like_a_pad_token_fails(tmp_path, tiny_run_assets, mo
     real = ChatEncoder._labels
 
     def pad_masking(self, ids, *a):  # the classic bug: labels[ids == pad_id] = -100 with pad == eos
-        encoded = real(self, ids, *a)
+        encoded, seams = real(self, ids, *a)
         encoded[1][ids == self.tok.pad_token_id] = -100  # (input_ids, labels)
-        return encoded
+        return encoded, seams
 
     monkeypatch.setattr(ChatEncoder, "_labels", pad_masking)
     cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")

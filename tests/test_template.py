@@ -155,3 +155,68 @@ def test_template_that_closes_the_conversation_with_eos(load_tok, tiny_bpe_path)
     assert got[1] == "Two plus two equals four.<|im_end|>"  # generation stops there: the eos after it is no target
     for a, b in spans(labels):
         assert tok.convert_tokens_to_ids("<|im_start|>") not in ids[a:b].tolist()
+
+
+def test_answer_merging_with_the_prompt_is_tokenised_apart_as_at_inference(load_tok, qwen25_path):
+    """'<|im_start|>assistant\\n' + '\\nAnswer': Qwen's tokenizer would merge the two newlines; at inference the
+    prompt ends with its own newline token, so the turn is an example of prompt tokens + answer tokens."""
+    tok = load_tok(qwen25_path)
+    messages = [CHAT[1], {"role": "assistant", "content": "\nParis."}]
+    ids, labels = encode(tok, None, messages)
+    prompt = tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    context = tok(prompt, add_special_tokens=False)["input_ids"]
+    (a, b), = spans(labels)
+    assert ids[:a].tolist() == context
+    assert ids[a:b].tolist() == tok("\nParis.<|im_end|>", add_special_tokens=False)["input_ids"]
+    joint = tok(prompt + "\nParis.<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert joint[: len(context)] != context  # the seam really merges in the joint tokenisation
+
+
+def test_loss_ends_at_the_stop_token_even_where_the_template_writes_more(load_tok, llama3_path):
+    """The original Llama-3-Instruct template always appends the assistant header; nothing after <|eot_id|>
+    carries loss. The tokenizer's eos (<｜end▁of▁sentence｜> here) is not in the turn, so the token the
+    template closes answers with is the stop."""
+    tok = load_tok(llama3_path)
+    always_header = ("{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + "
+                     "m['content'] + '<|eot_id|>' }}{% endfor %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}")
+    ids, labels = encode(tok, always_header, CHAT)
+    assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["Paris is the capital.<|eot_id|>",
+                                                                "Two plus two equals four.<|eot_id|>"]
+
+
+def test_a_turn_closed_by_the_next_header_and_one_left_open(load_tok, tiny_bpe_path):
+    """GLM-style: no end token; the model stops on the next turn's header, which is trained; the last turn,
+    which nothing closes, is refused rather than trained without a stop."""
+    tok = load_tok(tiny_bpe_path)
+    open_turns = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    ids, labels = encode(tok, open_turns, CHAT[1:4] + [{"role": "assistant", "content": "Four.", "train": False}])
+    assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["Paris is the capital.<|im_start|>"]
+    with pytest.raises(TemplateError, match="no stop token"):
+        encode(tok, open_turns, CHAT[1:3])
+
+
+def test_generation_config_stops_come_first(tmp_path, qwen25_path):
+    """A model folder's generation_config.json eos ids are stop tokens, and declared stops come before the
+    template's own closing token: the loss ends where inference with that configuration stops."""
+    import json
+    import shutil
+
+    from leansft.core.data.tokenizer import load_tokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(qwen25_path, folder)
+    tok = load_tokenizer(str(folder))
+    assert tok.generation_eos_ids == []
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [endoftext]}))
+    tok = load_tokenizer(str(folder))
+    assert tok.generation_eos_ids == [endoftext]
+    closes_with_eos = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                       "{% if m['role'] == 'assistant' %}{{ '<|endoftext|>' }}{% endif %}{% endfor %}"
+                       "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    ids, labels = encode(tok, closes_with_eos, CHAT[1:3])
+    assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["Paris is the capital.<|im_end|>"]  # eos first
+    tok.eos_token = "<|endoftext|>"  # now no declared stop is <|im_end|>: generation runs on to <|endoftext|>
+    ids, labels = encode(tok, closes_with_eos, CHAT[1:3])
+    assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["Paris is the capital.<|im_end|>\n<|endoftext|>"]

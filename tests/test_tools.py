@@ -104,7 +104,7 @@ def test_glaive_demo_through_plan_and_show_mask(tmp_path, qwen25_path):
     assert main(["show-mask", "--data", GLAIVE, "--tokenizer", qwen25_path, "-n", "3", "--json", str(out),
                  "--cache-dir", str(tmp_path / "c")]) == 0
     examples = json.loads(out.read_text())
-    assert len(examples) == 3 and all(set(e) == {"row", "input_ids", "labels"} for e in examples)
+    assert len(examples) == 3 and all(set(e) == {"row", "input_ids", "labels", "stop_tokens"} for e in examples)
     assert main(["plan", "--data", GLAIVE, "--tokenizer", qwen25_path, "--json", str(tmp_path / "plan.json"),
                  "--cache-dir", str(tmp_path / "c")]) == 0
     prep = json.loads((tmp_path / "plan.json").read_text())["preparation"]

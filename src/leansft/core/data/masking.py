@@ -424,12 +424,12 @@ class ChatEncoder:
         encoded = iter(self._backend.encode_batch(texts, add_special_tokens=False))
         out = []
         for ex in examples:
-            parts = [next(encoded)] if ex.split is None else [next(encoded), next(encoded)]
-            ids, offsets, shift = [], [], 0
-            for part, e in zip([0, ex.split], parts):
+            starts = [0] if ex.split is None else [0, ex.split]
+            ids, offsets = [], []
+            for start, e in zip(starts, [next(encoded) for _ in starts]):
                 ids.append(np.fromiter(e.ids, dtype=np.int32, count=len(e.ids)))
                 offsets.append(np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64,
-                                           count=2 * len(e.ids)).reshape(-1, 2) + (part or 0))
+                                           count=2 * len(e.ids)).reshape(-1, 2) + start)
             out.append((np.concatenate(ids), np.concatenate(offsets)))
         return out
 
