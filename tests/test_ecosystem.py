@@ -164,3 +164,32 @@ def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
         ref = final(x).logits
         assert float((hf(x).logits - ref).abs().max()) < 1e-5
         assert float((gg(x).logits - ref).abs().max()) < 1e-5
+
+
+def test_trackers_honour_their_environment_unless_the_config_says(tmp_path, tiny_run_assets, monkeypatch, caplog):
+    """MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME point the run at the user's store; an explicit config wins."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    from leansft.recipe.trackers import Mlflow
+
+    store = (tmp_path / "server-store").resolve().as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-sft")
+    out = tmp_path / "run"
+    out.mkdir()
+    with caplog.at_level(logging.INFO, logger="leansft"):
+        tracker = Mlflow(run_config(tmp_path, tiny_run_assets), out)
+        tracker.log({"step": 1, "loss": 2.5})
+        tracker.finish()
+    assert not (out / "mlruns").exists()
+    (exp,) = [e for e in MlflowClient(store).search_experiments() if e.name == "team-sft"]
+    (r,) = MlflowClient(store).search_runs([exp.experiment_id])
+    assert r.data.metrics["loss"] == 2.5
+    assert f"in experiment team-sft at {store}" in caplog.text  # the log says where the run went
+    explicit = run_config(tmp_path, tiny_run_assets, "logging.project=mine",
+                          f"logging.mlflow_tracking_uri={(tmp_path / 'own').resolve().as_uri()}")
+    Mlflow(explicit, out).finish()
+    assert [e.name for e in MlflowClient((tmp_path / "own").resolve().as_uri()).search_experiments()
+            if e.name != "Default"] == ["mine"]

@@ -124,3 +124,14 @@ def test_openai_content_parts_and_role_aliases():
     with pytest.raises(DataError) as err:
         convert_row(bad, "messages", F, 4)
     assert err.value.field == "messages[0].content[0]" and "image_url" in str(err.value)
+
+
+def test_csv_unclosed_quote_names_where_it_opened(tmp_path, tiny_bpe_path, capsys):
+    from leansft.tools.cli import main
+
+    path = tmp_path / "bad.csv"
+    path.write_text('prompt,completion\nfirst,ok\nsecond,"unclosed quote\nthird,a\nfourth,b\nfifth,c\n')
+    assert main(["plan", "--data", str(path), "--tokenizer", tiny_bpe_path, "--cache-dir", str(tmp_path / "c")]) != 0
+    msg = capsys.readouterr().err
+    assert "bad.csv: row 2" in msg and "starting at line 3" in msg and "opened on line 3" in msg
+    assert "Traceback" not in msg

@@ -144,9 +144,11 @@ class LoggingConfig(_Strict):
     log_every: int = Field(1, gt=0)
     trackers: list[Tracker] = Field(default_factory=list, description="experiment trackers, any subset")
     tensorboard: bool = Field(False, description="the same as listing tensorboard in trackers")
-    project: str = Field("leansft", description="tracker project (W&B) / experiment (MLflow) name")
+    project: str = Field("leansft", description="tracker project (W&B) / experiment (MLflow) name; where not set, "
+                         "WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME")
     run_name: str | None = Field(None, description="tracker run name (default: the output folder's name)")
-    mlflow_tracking_uri: str | None = Field(None, description="default: a file store in OUTPUT_DIR/mlruns")
+    mlflow_tracking_uri: str | None = Field(None, description="default: MLFLOW_TRACKING_URI, else a file store in "
+                                            "OUTPUT_DIR/mlruns")
     peak_flops: float | None = Field(None, gt=0, description="device peak FLOP/s for MFU when not known")
 
 

@@ -61,7 +61,7 @@ def model_card(cfg: RunConfig, out: Path, records: list[dict], samples: list[dic
               if t.method == "lora" else "full fine-tuning")
     lines = ["---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "",
              f"# {cfg.logging.run_name or out.name}", "",
-             f"Supervised fine-tuning of `{cfg.model}` with [leansft](https://pypi.org/project/leansft/) "
+             f"Supervised fine-tuning of `{cfg.model}` with leansft "
              f"{__version__}: loss on assistant tokens only ({cfg.data.loss_on}).", "",
              "## Training", "", "| | |", "| --- | --- |",
              f"| base model | `{cfg.model}` |", f"| method | {method} |",

@@ -2,18 +2,30 @@
 
 Every metrics.jsonl record goes to each tracker with the same keys and step; the resolved config is
 logged as parameters; samples as a table (W&B) or an artifact (MLflow); the final report and model card
-as artifacts. A tracker whose package is missing is a clear error naming the pip install.
+as artifacts. A tracker whose package is missing is a clear error naming the pip install. Each tracker's
+own environment (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``, ``WANDB_PROJECT``, ``WANDB_DIR``,
+``WANDB_MODE``...) is honoured unless the config sets the value; where the run went is logged.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 from pathlib import Path
 
 from leansft.core.config import RunConfig
 from leansft.core.errors import ConfigError
+
+log = logging.getLogger("leansft")
+
+
+def _project(cfg: RunConfig, env: str) -> str:
+    """``logging.project`` where the config sets it, else the tracker's environment variable, else the default."""
+    if "project" in cfg.logging.model_fields_set:
+        return cfg.logging.project
+    return os.environ.get(env) or cfg.logging.project
 
 
 def _require(tracker: str, module: str, package: str):
@@ -63,13 +75,17 @@ class TensorBoard:
 
 
 class Wandb:
-    """W&B run in OUTPUT_DIR/wandb; offline when WANDB_MODE=offline (no account or network needed)."""
+    """W&B run in OUTPUT_DIR/wandb (or WANDB_DIR); offline when WANDB_MODE=offline (no account or network
+    needed); the project from ``logging.project``, else WANDB_PROJECT."""
 
     def __init__(self, cfg: RunConfig, out: Path) -> None:
         self.wandb = wandb = _require("wandb", "wandb", "wandb")
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(project=cfg.logging.project, name=cfg.logging.run_name or out.name, dir=str(out),
+        project, folder = _project(cfg, "WANDB_PROJECT"), os.environ.get("WANDB_DIR") or str(out)
+        self.run = wandb.init(project=project, name=cfg.logging.run_name or out.name, dir=folder,
                               config=cfg.model_dump(mode="json"), reinit="finish_previous")
+        log.info("wandb: run %s in project %s (%s, files in %s)", self.run.id, project,
+                 os.environ.get("WANDB_MODE", "online"), folder)
 
     def log(self, record: dict) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
@@ -87,17 +103,21 @@ class Wandb:
 
 
 class Mlflow:
-    """MLflow run; ``logging.mlflow_tracking_uri`` (default: a local file store in OUTPUT_DIR/mlruns)."""
+    """MLflow run at ``logging.mlflow_tracking_uri``, else MLFLOW_TRACKING_URI, else a local file store in
+    OUTPUT_DIR/mlruns; experiment ``logging.project``, else MLFLOW_EXPERIMENT_NAME."""
 
     def __init__(self, cfg: RunConfig, out: Path) -> None:
         mlflow = _require("mlflow", "mlflow", "mlflow-skinny")
-        uri = cfg.logging.mlflow_tracking_uri or (out / "mlruns").resolve().as_uri()
-        if uri.startswith("file:"):  # a local file store: no server, no database
+        uri = (cfg.logging.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+               or (out / "mlruns").resolve().as_uri())
+        if uri.startswith("file:") or "://" not in uri:  # a local file store: no server, no database
             os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
         self.mlflow = mlflow
+        experiment = _project(cfg, "MLFLOW_EXPERIMENT_NAME")
         mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(cfg.logging.project)
+        mlflow.set_experiment(experiment)
         self.run = mlflow.start_run(run_name=cfg.logging.run_name or out.name)
+        log.info("mlflow: run %s in experiment %s at %s", self.run.info.run_id, experiment, uri)
         mlflow.log_params(flatten(cfg.model_dump(mode="json")))
         self.out = out
 

@@ -92,18 +92,25 @@ def _read_csv(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def _csv_rows(path: Path, reader) -> Iterator[tuple[int, dict]]:
+    """Rows numbered from 1 after the header; a record that does not parse is named by the line it starts on
+    (where an unclosed quote opened), not the line where the reader gave up."""
+    row, start = 0, 1
     try:
         header = next(reader, None)
         if header is None:
             raise DataError("empty CSV file (no header row)", file=str(path))
-        for i, fields in enumerate(reader, start=1):
+        start = reader.line_num + 1
+        for row, fields in enumerate(reader, start=1):
             if len(fields) != len(header):
                 raise DataError(f"{len(fields)} fields where the header has {len(header)} (line {reader.line_num})",
-                                file=str(path), row=i, hint="check for an unescaped quote or a missing separator")
-            yield i, dict(zip(header, fields))
+                                file=str(path), row=row, hint="check for an unescaped quote or a missing separator")
+            yield row, dict(zip(header, fields))
+            start = reader.line_num + 1
     except csv.Error as err:
-        raise DataError(f"CSV does not parse at line {reader.line_num}: {err}", file=str(path),
-                        hint="an unclosed quote runs to the end of the file") from None
+        raise DataError(f"CSV does not parse: the record starting at line {start} does not end ({err} at line "
+                        f"{reader.line_num})", file=str(path), row=row + 1 if start > 1 else None,
+                        hint=f"a quoted field opened on line {start} is never closed: close or escape the quote "
+                             "(\"\" inside a quoted field)") from None
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[int, dict]]:
