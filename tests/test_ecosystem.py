@@ -193,3 +193,23 @@ def test_trackers_honour_their_environment_unless_the_config_says(tmp_path, tiny
     Mlflow(explicit, out).finish()
     assert [e.name for e in MlflowClient((tmp_path / "own").resolve().as_uri()).search_experiments()
             if e.name != "Default"] == ["mine"]
+
+
+def test_the_report_gives_the_runs_totals_not_the_last_steps_rate(tracked_run):
+    from mlflow.tracking import MlflowClient
+
+    cfg, run = tracked_run
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1]
+    train = [r for r in records if "loss" in r]
+    assert final["step"] == train[-1]["step"] and final["run_real_tokens"] == train[-1]["tokens_seen"]
+    assert final["run_real_tokens_per_s"] == pytest.approx(final["run_real_tokens"] / final["run_step_s"])
+    assert final["run_target_tokens_per_s"] == pytest.approx(final["run_target_tokens"] / final["run_step_s"])
+    assert 0 < final["run_step_s"] < final["run_wall_s"]
+    report = (run / "report.md").read_text()
+    assert f"| run real tokens/s | {final['run_real_tokens_per_s']:,.1f} " in report and "| run wall time |" in report
+    assert f"{final['run_real_tokens_per_s']:,.0f} real tokens/s (run average)" in (run / "final" / "README.md").read_text()
+    client = MlflowClient((run / "mlruns").resolve().as_uri())
+    (exp,) = [e for e in client.search_experiments() if e.name == "leansft"]
+    (r,) = client.search_runs([exp.experiment_id])
+    assert r.data.metrics["run_real_tokens_per_s"] == pytest.approx(final["run_real_tokens_per_s"])

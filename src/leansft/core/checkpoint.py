@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -152,12 +153,16 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(folder)
-    except OSError as err:
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as "... (os error 28)"
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        why = "the disk is full" if err.errno == errno.ENOSPC else f"{type(err).__name__}: {err}"
-        raise LeanSFTError(f"cannot write checkpoint step-{step}: {why}; the earlier checkpoints are intact",
-                           file=str(folder)) from None
+        full = getattr(err, "errno", None) == errno.ENOSPC or "os error 28" in str(err)
+        why = (f"the disk is full (about {_gb(_checkpoint_bytes(root))} needed, {_gb(_free_bytes(folder))} free)"
+               if full else f"{type(err).__name__}: {err}")
+        kept = ", ".join(p.name for p in list_checkpoints(folder)) or "none"
+        raise LeanSFTError(f"cannot write checkpoint step-{step}: {why}; kept: {kept} (intact)", file=str(folder),
+                           hint="free space or point output_dir elsewhere, then resume with --resume auto"
+                           if full else None) from None
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -165,6 +170,24 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
     if sharded:
         parallel.barrier()
     return final
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _checkpoint_bytes(root) -> int:
+    """About what one checkpoint takes: the weights, and AdamW's two moments of the trainable ones."""
+    params = list(root.parameters())
+    return sum(p.numel() * p.element_size() for p in params) + sum(
+        2 * p.numel() * 4 for p in params if p.requires_grad)
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder if folder.exists() else folder.parent).free
+    except OSError:
+        return 0
 
 
 MANIFEST = "manifest.json"

@@ -20,6 +20,7 @@ import yaml
 from leansft import __version__
 from leansft.core.config import RunConfig
 from leansft.core.paths import resolve_package_path
+from leansft.recipe.report import run_totals
 
 
 def base_license(model_spec: str) -> str | None:
@@ -78,9 +79,10 @@ def model_card(cfg: RunConfig, out: Path, records: list[dict], samples: list[dic
         lines.append(f"| eval loss | {e0['eval_loss']:.4f} (step {e0['step']}) -> {e1['eval_loss']:.4f} "
                      f"(step {e1['step']}); perplexity {math.exp(min(e1['eval_loss'], 50)):.2f} |")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86-64'})"
-    rates = [r["real_tokens_per_s"] for r in train]
-    if rates:
-        lines.append(f"| hardware, throughput | {device}; {sum(rates) / len(rates):,.0f} real tokens/s |")
+    totals = run_totals(records)
+    if totals:
+        lines.append(f"| hardware, throughput | {device}; {totals['run_real_tokens_per_s']:,.0f} real tokens/s "
+                     f"(run average), {totals['run_wall_s']:,.0f} s wall |")
     lines += ["", "## Data", ""]
     for src, rep in zip(cfg.data.sources, data_report.get("sources", [])):
         lines.append(f"- `{src.path}` ({rep.get('format', src.format)}, weight {src.weight:g}): "

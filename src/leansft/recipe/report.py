@@ -67,6 +67,13 @@ def write_report(run: Path, quiet: bool = False) -> list[Path]:
             v = last[k]
             text = (f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4g}") if isinstance(v, float) else f"{v:,}"
             lines.append(f"| {k} | {text} |")
+    totals = run_totals(records)
+    if totals:
+        lines.append(f"| run wall time | {totals['run_wall_s']:,.1f} s ({totals['run_step_s']:,.1f} s in training "
+                     "steps) |")
+        lines.append(f"| run real tokens/s | {totals['run_real_tokens_per_s']:,.1f} ({totals['run_real_tokens']:,} "
+                     "tokens / time in steps; real_tokens_per_s above is the last window's) |")
+        lines.append(f"| run target tokens/s | {totals['run_target_tokens_per_s']:,.1f} |")
     if evals:
         best = min(evals, key=lambda r: r["eval_loss"])
         lines.append(f"| first eval_loss | {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) |")
@@ -85,20 +92,27 @@ def write_report(run: Path, quiet: bool = False) -> list[Path]:
     md = run / "report.md"
     md.write_text("\n".join(lines) + "\n")
     if not quiet:
-        print_summary(train, evals, samples)
+        print_summary(train, evals, samples, totals)
     return [png, md]
 
 
-def print_summary(train: list[dict], evals: list[dict], samples: list[dict]) -> None:
+def run_totals(records: list[dict]) -> dict | None:
+    """The final record train() writes with the run's totals, if the run got that far."""
+    return next((r for r in reversed(records) if "run_wall_s" in r), None)
+
+
+def print_summary(train: list[dict], evals: list[dict], samples: list[dict], totals: dict | None = None) -> None:
     """Console summary: eval loss before/after, throughput, and the first vs last samples side by side."""
     c = Console()
     if evals:
         c.print(f"[bold]eval loss[/] {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) -> "
                 f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})")
     if train:
-        rates = [r["real_tokens_per_s"] for r in train]
-        c.print(f"[bold]real tokens/s[/] {sum(rates) / len(rates):,.0f} (mean of {len(rates)} logged steps); "
-                f"padding share {train[-1]['padding_share']:.1%}; tokens seen {train[-1]['tokens_seen']:,}")
+        rate = (f"{totals['run_real_tokens_per_s']:,.0f} (run average: tokens / time in steps; wall "
+                f"{totals['run_wall_s']:,.0f} s)" if totals else
+                f"{train[-1]['real_tokens_per_s']:,.0f} (last logged window)")
+        c.print(f"[bold]real tokens/s[/] {rate}; padding share {train[-1]['padding_share']:.1%}; "
+                f"tokens seen {train[-1]['tokens_seen']:,}")
     if samples:
         first, last = samples[0]["step"], samples[-1]["step"]
         before = [s for s in samples if s["step"] == first]

@@ -8,7 +8,7 @@ world size.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,3 +73,23 @@ class ThroughputWindow:
                "mfu": c.flops / dt / (self.peak * self.world) if self.peak else None}
         self._reset()
         return out
+
+
+@dataclass
+class RunTotals:
+    """The run's figures (this process: a resumed run counts from its resume): wall time from the start of
+    ``train()``, time inside training steps, and run-average rates = tokens / time in steps."""
+
+    started: float = field(default_factory=time.perf_counter)
+    step_seconds: float = 0.0
+    counts: StepCounts = field(default_factory=StepCounts)
+
+    def add(self, counts: StepCounts, seconds: float) -> None:
+        self.counts += counts
+        self.step_seconds += seconds
+
+    def record(self, step: int) -> dict:
+        c, busy = self.counts, max(self.step_seconds, 1e-9)
+        return {"step": step, "run_wall_s": time.perf_counter() - self.started, "run_step_s": self.step_seconds,
+                "run_real_tokens": c.real, "run_target_tokens": c.targets,
+                "run_real_tokens_per_s": c.real / busy, "run_target_tokens_per_s": c.targets / busy}

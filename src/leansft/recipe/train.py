@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from leansft.recipe.model_card import write_model_card
 from leansft.recipe.progress import ProgressBar
 from leansft.recipe.report import read_jsonl, write_report
 from leansft.recipe.signals import StopFlag
-from leansft.recipe.throughput import ThroughputWindow
+from leansft.recipe.throughput import RunTotals, ThroughputWindow
 from leansft.recipe.trackers import Trackers
 
 log = logging.getLogger("leansft")
@@ -107,6 +108,7 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int) ->
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
     """Run training as configured; returns the last logged record plus ``stopped`` (by a signal)."""
     parallel.init()
+    run = RunTotals()
     cfg = cfg.model_copy(deep=True)  # strategy/accumulation may change below; the caller's config stays as given
     rank, world, device, out = parallel.rank(), parallel.world_size(), pick_device(), check_output_dir(cfg.output_dir)
     resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world)
@@ -142,9 +144,11 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     steps = batcher.steps(state.position, cfg.batching.gradient_accumulation)
     with StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) as progress:
         while state.step < total_steps and not evaluator.should_stop:
+            t0 = time.perf_counter()
             batches, position = next(steps)
             counts = window.count(batches)
             loss, grad_norm, lr = train_step(engine, batches, counts.weight, state.step + 1)
+            run.add(counts, time.perf_counter() - t0)
             state.advance(position, counts)
             guard.check(state.step, loss, grad_norm)
             progress.update(state.step, loss, lr, counts.real)
@@ -162,6 +166,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                 break
     if cfg.checkpoint.export and not stop.requested:
         export_final(cfg, model, loss_module, sharded, data, out, model_path)
+    metrics.write(run.record(state.step))  # the run's totals: wall time, time in steps, run-average rates
     if rank == 0:
         finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stop.requested)
     parallel.barrier()
