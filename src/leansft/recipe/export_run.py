@@ -1,8 +1,8 @@
-"""`leansft export`: any run, checkpoint or model folder out as a Hugging Face folder or one GGUF file.
+"""`leansft export`: any run, checkpoint or model out as a Hugging Face folder or one GGUF file.
 
 A run folder means its newest intact checkpoint; a checkpoint is rebuilt from its own config.yaml (base
-model, LoRA settings) and its weights, LoRA merged; a plain model folder (e.g. OUTPUT_DIR/final) is read
-as it is.
+model, LoRA settings) and its weights, LoRA merged; anything else ``train`` takes as ``model`` (a model
+folder such as OUTPUT_DIR/final, a .gguf file, a ``pkg:`` path, a Hub id) is read as it is.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from leansft.core.errors import LeanSFTError
 from leansft.core.export import export
 from leansft.core.forward import LossModule
 from leansft.core.gguf_export import export_gguf
-from leansft.core.models import load_model
+from leansft.core.models import load_model, resolve_model_path
+from leansft.core.paths import default_cache_dir
 from leansft.recipe.builders import build_model, model_location
 
 log = logging.getLogger("leansft")
@@ -42,12 +43,14 @@ def load_source(source: str):
         tokenizer = load_tokenizer(cfg.tokenizer or model_path, cfg.trust_remote_code)
         template = resolve_template(tokenizer, cfg.data.template)
         log.info("exporting checkpoint %s", path)
-    elif (path / "config.json").is_file():
-        cfg, model = None, load_model(str(path), torch.float32)
-        tokenizer = load_tokenizer(str(path))
+    else:  # what train takes as model: a folder, a .gguf (converted once), pkg:, a Hub id
+        folder = resolve_model_path(source, default_cache_dir())
+        if Path(folder).is_dir() and not (Path(folder) / "config.json").is_file():
+            raise LeanSFTError("not a run, checkpoint or model folder (no checkpoints/, state.json or config.json)",
+                               file=source)
+        cfg, model = None, load_model(folder, torch.float32)
+        tokenizer = load_tokenizer(folder)
         template = resolve_template(tokenizer, None) if tokenizer.chat_template else None
-    else:
-        raise LeanSFTError("not a run, checkpoint or model folder", file=source)
     if hasattr(model, "peft_config"):
         model = model.merge_and_unload()
     return model.eval(), tokenizer, template, cfg

@@ -335,11 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.set_defaults(func=cmd_report)
 
-    x = sub.add_parser("export", help="a run (its newest checkpoint), a checkpoint or a model folder out as a "
-                                      "Hugging Face folder or one GGUF file (LoRA merged)")
-    x.add_argument("source", help="OUTPUT_DIR, OUTPUT_DIR/checkpoints/step-N or a model folder (e.g. OUTPUT_DIR/final)")
+    x = sub.add_parser("export", help="a run (its newest checkpoint), a checkpoint or any model train takes out as "
+                                      "a Hugging Face folder or one GGUF file (LoRA merged)")
+    x.add_argument("source", help="OUTPUT_DIR, OUTPUT_DIR/checkpoints/step-N, or what train takes as model: a model "
+                                  "folder (e.g. OUTPUT_DIR/final), a .gguf file, pkg:PACKAGE/FILE or a Hub id")
     x.add_argument("out", help="the folder (--to hf) or .gguf file (--to gguf) to write")
-    x.add_argument("--to", choices=["hf", "gguf"], default="hf")
+    x.add_argument("--to", choices=["hf", "gguf"], default="hf",
+                   help="hf: a plain Hugging Face model folder (safetensors, tokenizer, config); gguf: one GGUF file "
+                        "for llama.cpp and friends (default: hf)")
     x.add_argument("--dtype", choices=list(GGUF_DTYPES), default="f16", help="GGUF tensor type (norms stay f32)")
     x.set_defaults(func=cmd_export)
 
