@@ -155,3 +155,37 @@ def test_template_check_counts_tool_calls_per_source_and_fails_when_tools_are_lo
     # plain ChatML (the tiny tokenizer's own template) drops the tools: FAIL, naming the tools
     checks = doctor.run_checks(run_config(tmp_path, tiny_run_assets, f"data.sources=[{GLAIVE}]"))
     assert checks[0].status == "FAIL" and "does not render the tool definitions" in checks[0].message
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "falcon", "bloom", "mamba", "llama"])
+def test_doctor_judges_the_path_train_takes(tmp_path, tiny_run_assets, model_type):
+    """Where train falls back to sorted (unpacked) batches, doctor checks positions, normalisation, memory and
+    throughput on those batches too: the same verdict as train's pre-flight check, and no FAIL (or crash)
+    from a path the run will not use."""
+    import warnings
+
+    import transformers as tf
+    from test_architectures import ARCHITECTURES, SMALL
+
+    from leansft.core.data.prepare import prepare_data
+    from leansft.recipe.builders import build_model, verified_strategy
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_run_assets["model"])
+    kw = {k: v for k, v in {**SMALL, **ARCHITECTURES[model_type]}.items() if v is not None}
+    kw.update(vocab_size=len(tok), max_position_embeddings=1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(model_type, **kw))
+    folder = tmp_path / model_type
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = run_config(tmp_path, {**tiny_run_assets, "model": str(folder)}, "data.max_length=512",
+                     "batching.tokens_per_micro_batch=512")
+    checks = {c.name: c for c in doctor.run_checks(cfg)}
+    failed = {n: c.message for n, c in checks.items() if c.status == "FAIL" and n != "truncation"}  # data, not path
+    assert not failed, failed
+    prep = prepare_data(cfg.data, str(folder), holdout=False)
+    strategy = verified_strategy(cfg, build_model(cfg, torch.device("cpu"), True, str(folder))[0], prep.train,
+                                 tok.pad_token_id)
+    assert (checks["isolation"].status == "WARN") == (strategy == "sorted")
+    assert ("padded batches" in checks["positions"].message) == (strategy == "sorted")

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leansft.core.attention import use_plain_attention
-from leansft.core.collate import collate_packed
+from leansft.core.collate import collate_packed, collate_padded
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.prepare import prepare_data
 from leansft.core.data.tokenizer import pad_id
@@ -28,7 +28,7 @@ from leansft.core.forward import LossModule
 from leansft.core.generation import stop_token_ids
 from leansft.core.loss import normalise
 from leansft.core.memtrack import TensorMemoryTracker
-from leansft.core.verify import check_vocabulary, probe_segments, verify_model
+from leansft.core.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import autocast_dtype, build_model, model_location, pick_device, seed_everything
 from leansft.tools.memory import ModelShape, estimate_memory
@@ -86,12 +86,17 @@ def check_template(tok, template, data, report: dict) -> Check:
                  f"{zero} examples had zero target tokens (dropped)" + "".join(per_source), numbers)
 
 
-def check_isolation_and_loss(cfg: RunConfig, model, data, pad: int) -> list[Check]:
+def check_isolation_and_loss(cfg: RunConfig, model, data, pad: int) -> tuple[list[Check], str | None]:
     """The run's forward and loss against the plain Hugging Face model (``leansft.core.verify``): the
-    same check train runs before step 1, reported with its numbers."""
+    same check train runs before step 1, reported with its numbers; and the batching strategy train takes
+    from it (the configured one, ``sorted`` as its fallback, or None where train refuses)."""
     packed = cfg.batching.strategy in PACKED_STRATEGIES
     v = verify_model(model, probe_segments(data, model.get_input_embeddings().weight.shape[0]),
                      ("packed", "padded") if packed else ("padded",), pad)
+    try:
+        strategy = choose_strategy(v, cfg.batching.strategy, cfg.training.verify)
+    except LeanSFTError:
+        strategy = None
     path = "packed" if packed else "padded"
     c = v.checks[path]
     numbers = {"architecture": v.architecture, "path": path, "backend": model.config._attn_implementation,
@@ -114,7 +119,7 @@ def check_isolation_and_loss(cfg: RunConfig, model, data, pad: int) -> list[Chec
         status = "WARN" if falls_back else "FAIL"
         checks.append(Check("loss", status, v.head.reason or f"{path} batches: the loss differs from the model's own",
                             numbers, "this architecture's output layer or forward is not supported packed"))
-    return checks
+    return checks, strategy
 
 
 def check_positions(batcher) -> Check:
@@ -151,8 +156,8 @@ def check_truncation(full_lengths: np.ndarray, full_targets: np.ndarray, max_len
                  numbers)
 
 
-def check_normalisation(model, data, device) -> Check:
-
+def check_normalisation(model, data, device, packed: bool, pad: int) -> Check:
+    """Accumulation 1 vs 8 on the batches the run will use (packed rows, or padded ones on the fallback)."""
     n = min(8, len(data))
     ex = np.arange(n)
     module = LossModule(model)
@@ -160,7 +165,8 @@ def check_normalisation(model, data, device) -> Check:
 
     def run(groups):
         model.zero_grad(set_to_none=True)
-        batches = [collate_packed(data, g, np.zeros(len(g), np.int64), data.lengths[g]).to(device) for g in groups]
+        batches = [(collate_packed(data, g, np.zeros(len(g), np.int64), data.lengths[g]) if packed
+                    else collate_padded(data, g, pad)).to(device) for g in groups]
         total = sum(b.target_tokens for b in batches)
         logged = 0.0
         for b in batches:
@@ -252,12 +258,17 @@ def run_checks(cfg: RunConfig) -> list[Check]:
         check_vocabulary(model, full)
     except LeanSFTError as err:  # the model cannot even embed this data: nothing else can run
         return checks + [Check("vocabulary", "FAIL", str(err), {}, err.hint)]
-    checks += check_isolation_and_loss(cfg, model, sample, pad_id(tok))
-    batcher = Batcher(sample, cfg.batching, cfg.data.max_length, pad_id(tok), cfg.training.seed)
-    checks.append(check_positions(batcher))
-    checks.append(check_normalisation(model, sample, device))
+    found, strategy = check_isolation_and_loss(cfg, model, sample, pad_id(tok))
+    checks += found
+    if strategy is None:  # train refuses this model before step 1: nothing further to judge
+        return checks
+    # from here on, the path the run will take (train's fallback to sorted batches included)
+    batching = cfg.batching.model_copy(update={"strategy": strategy})
+    batcher = Batcher(sample, batching, cfg.data.max_length, pad_id(tok), cfg.training.seed)
     if not batcher.packed:
         use_plain_attention(model)
+    checks.append(check_positions(batcher))
+    checks.append(check_normalisation(model, sample, device, batcher.packed, pad_id(tok)))
     checks += check_memory_and_throughput(cfg, model, batcher, device, amp)
     return checks
 
