@@ -150,7 +150,7 @@ def test_bad_inputs_are_named(tmp_path):
         list(read_rows(str(csv_bad)))
     unclosed = tmp_path / "unclosed.csv"
     unclosed.write_text('instruction,output\na,b\n"c,d\ne,f\ng,h\ni,j\n')
-    with pytest.raises(DataError, match="unclosed.csv: CSV does not parse at line 6"):
+    with pytest.raises(DataError, match="unclosed.csv: row 2: CSV does not parse: the record starting at line 3"):
         list(read_rows(str(unclosed)))
     ragged = tmp_path / "ragged.csv"
     ragged.write_text("instruction,output\na,b\nc\n")

@@ -173,7 +173,7 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _checkpoint_bytes(root) -> int:
