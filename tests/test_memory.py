@@ -24,6 +24,12 @@ def test_llama3_8b_hand_computed():
     lora = estimate_memory(LLAMA3_8B, 32768, method="lora", lora_r=16)
     assert lora["trainable_params"] == pytest.approx(42e6, rel=0.05)
     assert lora["parts"]["optimizer"] == lora["trainable_params"] * 8  # moments of the adapters only
+    q = estimate_memory(LLAMA3_8B, 32768, method="qlora", lora_r=16)
+    linear = 32 * LLAMA3_8B.linear_params_per_layer  # 6.98e9 weights of the decoder's linear layers
+    assert q["parts"]["weights_4bit"] == linear // 2
+    assert q["parts"]["quantisation_constants"] == pytest.approx(linear / 64, rel=0.02)
+    base = q["parts"]["weights_4bit"] + q["parts"]["quantisation_constants"] + q["parts"]["weights"]
+    assert base == pytest.approx(6.1e9, rel=0.05)  # 16 GB in bf16 -> about 6 GB: 7-8B fits one 24 GB GPU
 
 
 def test_estimate_against_measured_tiny_model():

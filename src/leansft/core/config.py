@@ -26,7 +26,8 @@ Format = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", 
 LossOn = Literal["assistant", "last_assistant", "all"]
 Reasoning = Literal["keep", "drop"]
 MultiTurn = Literal["auto", "single", "per_turn"]
-Method = Literal["full", "lora"]
+Method = Literal["full", "lora", "qlora"]
+LoraInit = Literal["default", "gaussian", "pissa", "olora"]
 Attention = Literal["auto", "flash", "sdpa_varlen", "flex"]
 Verify = Literal["fallback", "refuse", "skip"]
 
@@ -91,11 +92,31 @@ class LoraConfig(_Strict):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] | str = "all-linear"
     merge_on_export: bool = True
+    use_dora: bool = Field(False, description="DoRA: a trained magnitude per output row on top of the LoRA direction")
+    use_rslora: bool = Field(False, description="rank-stabilised LoRA: scaling alpha/sqrt(r) instead of alpha/r")
+    init: LoraInit = Field("default", description="default (A Kaiming-uniform, B zero), gaussian, pissa or olora "
+                                                  "(these two start from the base weights' principal directions)")
+    lr_ratio: float | None = Field(None, gt=0, description="LoRA+: the B matrices learn at lr_ratio x "
+                                                           "learning_rate (the paper suggests 16)")
+    modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full beside the "
+                                       "adapters, e.g. [embed_tokens, lm_head] when special tokens were added")
+
+
+class QLoraConfig(_Strict):
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = Field(True, description="quantise the quantisation constants too (~0.4 bits/parameter saved)")
+    compute_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="dtype the 4-bit weights are "
+                                                           "dequantised to for each matmul; auto: bf16 on CUDA, fp32 "
+                                                           "on the CPU")
 
 
 class TrainingConfig(_Strict):
-    method: Method = "full"
+    method: Method = Field("full", description="full, lora, or qlora (a 4-bit base with LoRA adapters, through "
+                           "bitsandbytes: pip install 'leansft[qlora]')")
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    qlora: QLoraConfig = Field(default_factory=QLoraConfig)
+    neftune_noise_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise on the input "
+                                              "embeddings in training, alpha/sqrt(L*d) with L the example's length")
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
     learning_rate: float = Field(2e-5, gt=0)
@@ -169,6 +190,16 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="after")
+    def _qlora_fits(self):
+        if self.training.method == "qlora" and self.distributed.strategy == "fsdp":
+            raise ValueError("training.method qlora with distributed.strategy fsdp: the pinned bitsandbytes/peft do not "
+                             "shard 4-bit weights under FSDP2; use ddp (each rank holds the 4-bit base)")
+        if self.training.method == "qlora" and self.training.lora.init in ("pissa", "olora"):
+            raise ValueError(f"training.lora.init {self.training.lora.init} rewrites the base weights, which a 4-bit "
+                             "base cannot hold exactly; use init default or gaussian with qlora")
+        return self
 
     @model_validator(mode="after")
     def _tokens_fit_a_row(self):

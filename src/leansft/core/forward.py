@@ -44,11 +44,14 @@ class LossModule(torch.nn.Module):
     ``forward(batch)`` returns the summed loss over the batch's target tokens (never a mean).
     """
 
-    def __init__(self, model, chunk_size: int = 1024, backend: str = "chunked") -> None:
+    def __init__(self, model, chunk_size: int = 1024, backend: str = "chunked", neftune=None) -> None:
         super().__init__()
         self.model = model
         self.chunk_size, self.backend = chunk_size, backend
+        self.neftune = neftune  # NEFTune noise needs each token's example length (``core/neftune.py``)
 
     def forward(self, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+        if self.neftune is not None:
+            self.neftune.set_batch(batch)
         hidden = hidden_states(self.model, batch)
         return loss_of(self.model, batch, hidden, self.chunk_size, self.backend)[0]

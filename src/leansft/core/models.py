@@ -90,12 +90,19 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: Path | 
 
 
 def apply_lora(model, lora_cfg):
-    """Wrap ``model`` with peft LoRA adapters; only the adapters train."""
+    """Wrap ``model`` with peft LoRA adapters (DoRA, rsLoRA, the init and modules_to_save as configured);
+    only the adapters (and modules_to_save) train."""
     from peft import LoraConfig, get_peft_model
 
+    init = True if lora_cfg.init == "default" else lora_cfg.init
     cfg = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                     target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+                     target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM", use_dora=lora_cfg.use_dora,
+                     use_rslora=lora_cfg.use_rslora, init_lora_weights=init,
+                     modules_to_save=lora_cfg.modules_to_save or None)
+    try:
+        return get_peft_model(model, cfg)
+    except (ValueError, TypeError, NotImplementedError) as err:  # e.g. an option this layer type cannot take
+        raise ModelError(f"peft cannot apply this LoRA configuration: {err}", field="training.lora") from None
 
 
 def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:

@@ -22,6 +22,7 @@ from leansft.core.errors import LeanSFTError
 from leansft.core.head import read_output_head
 from leansft.core.models import apply_lora, load_model, resolve_model_path, trainable_parameters
 from leansft.core.paths import cache_dir
+from leansft.core.quant import load_quantised
 from leansft.core.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.recipe.batches import Batcher
 
@@ -58,14 +59,23 @@ def model_location(cfg: RunConfig) -> str:
 def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: str | None = None):
     """The model in fp32 on ``device``, with gradient checkpointing, LoRA and the attention backend set.
     Returns (model, attention backend)."""
-    model = load_model(model_path or cfg.model, torch.float32, trust_remote_code=cfg.trust_remote_code)
-    if cfg.training.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    t = cfg.training
+    if t.method == "qlora":  # 4-bit base, loaded onto the device (bitsandbytes quantises as it places weights)
+        from peft import prepare_model_for_kbit_training
+
+        model = load_quantised(model_path or cfg.model, t.qlora, device, cfg.trust_remote_code)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=t.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model = load_model(model_path or cfg.model, torch.float32, trust_remote_code=cfg.trust_remote_code)
+        if t.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if t.gradient_checkpointing:
         model.config.use_cache = False
-    if cfg.training.method == "lora":
-        if cfg.training.gradient_checkpointing:
+    if t.method in ("lora", "qlora"):
+        if t.gradient_checkpointing:
             model.enable_input_require_grads()
-        model = apply_lora(model, cfg.training.lora)
+        model = apply_lora(model, t.lora)
     model.to(device)
     read_output_head(model)  # measured once here, on the plain model, before any wrapping
     if not packed:  # padded batches: the model's own, padding-aware attention
@@ -98,13 +108,16 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int) -
 
 
 def build_optimizer(cfg: RunConfig, model, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and norms."""
-    decay, no_decay = [], []
+    """AdamW; no weight decay on biases and norms; LoRA+: the B matrices at ``lora.lr_ratio`` x the learning rate."""
+    lr, ratio, wd = cfg.training.learning_rate, cfg.training.lora.lr_ratio, cfg.training.weight_decay
+    split: dict[tuple[bool, bool], list] = {(fast, no): [] for fast in (False, True) for no in (False, True)}
     for name, p in trainable_parameters(model):
-        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.training.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.training.learning_rate, betas=cfg.training.betas,
+        split[(ratio is not None and "lora_B" in name, p.ndim < 2 or "norm" in name.lower())].append(p)
+    groups = [{"params": split[(False, False)], "weight_decay": wd}, {"params": split[(False, True)], "weight_decay": 0.0}]
+    if ratio is not None:
+        groups += [{"params": split[(True, False)], "weight_decay": wd, "lr": lr * ratio},
+                   {"params": split[(True, True)], "weight_decay": 0.0, "lr": lr * ratio}]
+    return torch.optim.AdamW(groups, lr=lr, betas=cfg.training.betas,
                              fused=device.type == "cuda")
 
 

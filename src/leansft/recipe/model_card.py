@@ -57,9 +57,18 @@ def model_card(cfg: RunConfig, out: Path, records: list[dict], samples: list[dic
               "pipeline_tag": "text-generation"}
     header = {k: v for k, v in header.items() if v is not None}
     t = cfg.training
-    method = (f"LoRA (r={t.lora.r}, alpha={t.lora.alpha}, dropout={t.lora.dropout}, target modules "
-              f"{t.lora.target_modules}, merged into the weights: {t.lora.merge_on_export})"
-              if t.method == "lora" else "full fine-tuning")
+    variants = [v for v, on in (("DoRA", t.lora.use_dora), ("rsLoRA", t.lora.use_rslora),
+                                 (f"LoRA+ ratio {t.lora.lr_ratio}", t.lora.lr_ratio), (f"init {t.lora.init}",
+                                 t.lora.init != "default")) if on]
+    lora = (f"(r={t.lora.r}, alpha={t.lora.alpha}, dropout={t.lora.dropout}, target modules "
+            f"{t.lora.target_modules}{', ' + ', '.join(variants) if variants else ''}, merged into the weights: "
+            f"{t.lora.merge_on_export})")
+    method = {"lora": f"LoRA {lora}",
+              "qlora": f"QLoRA: a 4-bit base ({t.qlora.quant_type}, double quantisation {t.qlora.double_quant}) with "
+                       f"LoRA {lora}; the export merges the adapters into the dequantised 4-bit base weights"
+              }.get(t.method, "full fine-tuning")
+    if t.neftune_noise_alpha:
+        method += f"; NEFTune noise alpha {t.neftune_noise_alpha}"
     lines = ["---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "",
              f"# {cfg.logging.run_name or out.name}", "",
              f"Supervised fine-tuning of `{cfg.model}` with leansft "

@@ -30,6 +30,8 @@ from leansft.core.export import export, full_state_dict
 from leansft.core.forward import LossModule
 from leansft.core.loss import normalise
 from leansft.core.models import trainable_parameters
+from leansft.core.neftune import NEFTune
+from leansft.core.quant import merged_plain_model
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -124,7 +126,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                       rank, world)
     total_steps = count_steps(cfg, batcher)
     amp = autocast_dtype(cfg.training.precision, device)
-    loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend),
+    neftune = NEFTune(model, cfg.training.neftune_noise_alpha) if cfg.training.neftune_noise_alpha else None
+    loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune),
                                 cfg.distributed.strategy, device, mixed_precision=amp is not None)
     sharded = world > 1 and cfg.distributed.strategy == "fsdp"
     engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
@@ -237,6 +240,9 @@ def export_final(cfg: RunConfig, model, loss_module, sharded: bool, data: Prepar
             plain, _ = build_model(cfg, torch.device("cpu"), True, model_path)
             plain.load_state_dict(full)
     if parallel.rank() == 0:
+        if cfg.training.method == "qlora" and cfg.training.lora.merge_on_export:  # merged against the 4-bit weights
+            plain = merged_plain_model(plain, model_path, cfg.training.lora, cfg.trust_remote_code)
+            log.info("qlora: adapters merged into the dequantised 4-bit base weights (fp32 export)")
         export(plain, data.tokenizer, data.template, out / "final", cfg)
         log.info("exported %s", out / "final")
 

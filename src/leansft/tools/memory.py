@@ -74,12 +74,17 @@ def estimate_memory(
     b = 2 if precision == "bf16" else 4
     weights = p * b
     trainable = p if method == "full" else shape.lora_params(lora_r)
+    quantised = {}
     if method == "full":
         grads = trainable * b
         master = trainable * 4 if precision == "bf16" else 0
     else:
         weights += trainable * 4
         grads, master = trainable * 4, 0
+    if method == "qlora":  # the decoder's linear layers in NF4: 4 bits + an 8-bit constant per 64 weights, whose
+        linear = shape.layers * shape.linear_params_per_layer  # own fp32 constants come one per 256 blocks
+        weights -= linear * b
+        quantised = {"weights_4bit": linear // 2, "quantisation_constants": int(linear / 64 + linear / 64 / 256 * 4)}
     optimizer = trainable * 8 + master  # AdamW: two fp32 moments (+ fp32 master weights under bf16)
     per_layer = shape.activation_bytes_per_token_per_layer(b)
     if gradient_checkpointing:
@@ -90,7 +95,7 @@ def estimate_memory(
     logits_fp32 = tokens * shape.vocab * 4
     # chunked: one chunk's fp32 logits and their gradient live at once
     logits = min(tokens, chunk_size) * shape.vocab * 4 * 2 if chunked_loss else tokens * shape.vocab * (b + 4)
-    parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": activations,
+    parts = {"weights": weights, **quantised, "gradients": grads, "optimizer": optimizer, "activations": activations,
              "logits": logits}
     return {
         "params": p,
