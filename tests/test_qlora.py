@@ -62,6 +62,13 @@ def test_qlora_trains_verifies_and_exports_the_trained_function(tmp_path, tiny_r
     assert float(diff) < 1e-4
     card = (run / "final" / "README.md").read_text()
     assert "QLoRA" in card and "dequantised" in card
+    if family == "llama":  # the checkpoint out as GGUF through `leansft export`: the same merged function
+        from leansft.tools.cli import main
+
+        assert main(["export", str(run), str(tmp_path / "q.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
+        gg = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q.gguf", dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert float((gg(x).logits - final(x).logits).abs().max()) < 1e-4
 
 
 def test_qlora_resume_is_bitwise(tmp_path, tiny_run_assets, monkeypatch):

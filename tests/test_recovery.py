@@ -241,8 +241,8 @@ def test_resume_checkpoint_from_an_older_format_is_refused(tmp_path, tiny_run_as
         train(cfg, resume="auto")
 
 
-def test_chaos_twenty_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
-    """kill -9 at 20 random moments (start-up, mid-step, mid-checkpoint, during export), resuming with
+def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
+    """kill -9 at 12 random moments (start-up, mid-step, mid-checkpoint, during export), resuming with
     --resume auto each time; the final weights equal an uninterrupted run's bit for bit."""
     import random
     import time
@@ -257,8 +257,8 @@ def test_chaos_twenty_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     cmd = [sys.executable, "-m", "leansft", "train", path, "--resume", "auto"]
     while True:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-        if kills < 20:
-            time.sleep(rng.uniform(0.3, 6.0))
+        if kills < 12:
+            time.sleep(rng.uniform(0.3, 4.0))
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -267,7 +267,7 @@ def test_chaos_twenty_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err.decode()[-3000:]
         break
-    assert kills >= 10  # fewer than 20 where the resumed runs finish within the random delays (a fast machine)
+    assert kills >= 8  # fewer than 12 where the resumed runs finish within the random delays (a fast machine)
     a = load_file(Path(whole.output_dir) / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
