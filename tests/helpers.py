@@ -119,6 +119,30 @@ def run_config(tmp_path, assets: dict, *overrides: str):
     return load_config(None, base + list(overrides))
 
 
+def losses(run) -> dict[int, float]:
+    """step -> training loss, from a run folder's metrics.jsonl."""
+    from pathlib import Path
+
+    lines = (Path(run) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def train_crashing_after(monkeypatch, cfg, step: int) -> None:
+    """Run ``train(cfg)`` until a simulated crash right after optimizer step ``step``."""
+    import pytest
+
+    from leansft.recipe.train import train
+
+    def crash(at, loss):
+        if at == step:
+            raise RuntimeError("simulated crash")
+
+    after_each_step(monkeypatch, crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(cfg)
+    monkeypatch.undo()
+
+
 def after_each_step(monkeypatch, fn) -> None:
     """Call ``fn(step, loss)`` after every optimizer step of ``train`` (wraps the recipe's train_step)."""
     import leansft.recipe.train as recipe

@@ -3,14 +3,13 @@ PiSSA/OLoRA init, modules_to_save, NEFTune. Each changes training the way its pa
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
-from helpers import after_each_step, run_config
+from helpers import losses, run_config, train_crashing_after
 
 from leansft.core import checkpoint as ckpt
 from leansft.core.errors import ConfigError
@@ -21,10 +20,6 @@ from leansft.recipe.train import train
 pytestmark = pytest.mark.slow  # trains tiny models end to end
 pytest.importorskip("bitsandbytes")
 
-
-def losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +74,7 @@ def test_qlora_resume_is_bitwise(tmp_path, tiny_run_assets, monkeypatch):
     full = run_config(tmp_path / "a", tiny_run_assets, *opts)
     train(full)
     cut = run_config(tmp_path / "b", tiny_run_assets, *opts, "checkpoint.save_every=3")
-
-    def crash(step, loss):
-        if step == 4:
-            raise RuntimeError("simulated crash")
-
-    after_each_step(monkeypatch, crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        train(cut)
-    monkeypatch.undo()
+    train_crashing_after(monkeypatch, cut, 4)
     train(cut, resume="auto")
     assert losses(Path(cut.output_dir)) == losses(Path(full.output_dir))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import after_each_step, run_config, tiny_bloom
+from helpers import after_each_step, losses, run_config, tiny_bloom, train_crashing_after
 
 from leansft.core import checkpoint as ckpt
 from leansft.core.config import load_config
@@ -21,10 +21,6 @@ KEYS = {"step", "loss", "lr", "grad_norm", "real_tokens_per_s", "target_tokens_p
 
 pytestmark = pytest.mark.slow  # each test trains a model end to end
 
-
-def losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
 
 
 @pytest.mark.slow
@@ -57,15 +53,7 @@ def test_resume_is_exact(tmp_path, tiny_run_assets, monkeypatch):
     reference = losses(Path(full.output_dir))
 
     cut = run_config(tmp_path / "b", tiny_run_assets, "training.max_steps=6", "checkpoint.save_every=3")
-
-    def crash(step, loss):
-        if step == 5:
-            raise RuntimeError("simulated crash")
-
-    after_each_step(monkeypatch, crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        train(cut)
-    monkeypatch.undo()
+    train_crashing_after(monkeypatch, cut, 5)
     assert [p.name for p in ckpt.list_checkpoints(Path(cut.output_dir) / "checkpoints")] == ["step-3"]
     train(cut, resume="auto")
     resumed = losses(Path(cut.output_dir))
