@@ -1,9 +1,11 @@
-"""GPU throughput: a Qwen2.5-0.5B-shaped random model on 16k-token packed micro-batches in bf16.
+"""GPU throughput: Qwen2.5-0.5B- and 1.5B-shaped random models, packed micro-batches of 4k and 16k tokens,
+bf16, with and without compiled decoder layers.
 
-Prints real tokens/s, peak memory and MFU for leansft's packed path (varlen attention, chunked loss,
-fused AdamW), and the same model on padded batches of the same data for the ratio.
+Prints real tokens/s, peak memory, MFU and the warm-up time (compilation included) for leansft's packed
+path (varlen attention as ``attention: auto`` picks it, chunked loss, fused AdamW), and the same model
+on padded batches of the same data for the ratio. Full fine-tuning.
 
-    python benchmarks/bench_gpu.py [--steps 20] [--tokens 16384]
+    python benchmarks/bench_gpu.py [--steps 10] [--tokens 4096,16384] [--shapes 0.5B,1.5B] [--compile false,true]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import transformers as tf
 
 from leansft.core.attention import choose_backend, use_packed_attention
+from leansft.core.compile import compile_layers
 from leansft.core.collate import collate_padded, collate_rows, micro_batches
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.flops import attended_squares, device_peak_flops, flop_params, step_flops
@@ -35,12 +38,14 @@ def run(model, batches, steps, device, params, peak) -> dict:
     module = LossModule(model, chunk_size=4096)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     cfg = model.config
-    for b in batches[:2]:  # warm-up
+    t0 = time.perf_counter()
+    for b in batches[:2]:  # warm-up (and compilation, when the layers are compiled)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             (module(b.to(device)) / max(b.target_tokens, 1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+    warm = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
     tokens, flops = 0, 0.0
     t0 = time.perf_counter()
@@ -56,41 +61,58 @@ def run(model, batches, steps, device, params, peak) -> dict:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return {"tok_s": tokens / dt, "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
-            "mfu": (flops / dt) / peak if peak else None}
+            "mfu": (flops / dt) / peak if peak else float("nan"), "warm_s": warm}
+
+
+SHAPES = {  # Qwen2.5-0.5B and -1.5B shapes, random weights
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--shapes", default="0.5B,1.5B")
+    ap.add_argument("--compile", default="false,true")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
     device = torch.device("cuda")
-    cfg = tf.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).train()
-    params = flop_params(model)
     peak = device_peak_flops(device, None)
-    data = synthetic(6000, cfg.vocab_size)
     backend = choose_backend(device)
-    use_packed_attention(model, backend)
-    plan = bfd(data.lengths, 4096)
-    packed = [collate_rows(data, plan, g) for g in micro_batches(plan, args.tokens)][: args.steps + 2]
-    res = {"packed": run(model, packed, args.steps, device, params, peak)}
-    use_packed_attention(model, "sdpa")
-    per = max(1, args.tokens // 4096)
-    pplan = padded(data.lengths, 4096, per, seed=0)
-    pad = [collate_padded(data, pplan.row(i)[0], 0) for i in range(args.steps + 2)]
-    res["padded"] = run(model, pad, args.steps, device, params, peak)
-    print(f"{torch.cuda.get_device_name()} | Qwen2.5-0.5B shape, bf16 autocast, {args.tokens}-token micro-batches, "
-          f"attention {backend}")
-    print(f"{'':8s} {'real tok/s':>12s} {'peak GB':>8s} {'MFU':>7s}")
-    for k, r in res.items():
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        print(f"{k:8s} {r['tok_s']:12,.0f} {r['peak_gb']:8.1f} {mfu:>7s}")
-    print(f"packed/padded real tokens/s: {res['packed']['tok_s'] / res['padded']['tok_s']:.2f}x")
+    print(f"{torch.cuda.get_device_name()} | bf16 autocast, fused AdamW, chunked loss, packed attention {backend}")
+    print("| model | tokens/micro-batch | batches | compile | real tok/s | peak GB | MFU | first 2 steps s |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+    for shape in args.shapes.split(","):
+        cfg = tf.Qwen2Config(**SHAPES[shape], vocab_size=151936, max_position_embeddings=32768,
+                             tie_word_embeddings=True)
+        data = synthetic(6000, cfg.vocab_size)
+        plan = bfd(data.lengths, 4096)
+        for comp in args.compile.split(","):
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).train()
+            if comp == "true":
+                compile_layers(model)
+            use_packed_attention(model, backend)
+            params = flop_params(model)
+            for n in map(int, args.tokens.split(",")):
+                packed = [collate_rows(data, plan, g) for g in micro_batches(plan, n)][: args.steps + 2]
+                r = run(model, packed, args.steps, device, params, peak)
+                print(f"| {shape} | {n} | packed | {comp} | {r['tok_s']:,.0f} | {r['peak_gb']:.1f} | "
+                      f"{r['mfu']:.1%} | {r['warm_s']:.1f} |", flush=True)
+            if comp == "false":  # the padded picture once per shape: same data, rows of 4,096, eager
+                use_packed_attention(model, "sdpa")
+                per = max(1, int(args.tokens.split(",")[-1]) // 4096)
+                pplan = padded(data.lengths, 4096, per, seed=0)
+                pad = [collate_padded(data, pplan.row(i)[0], 0) for i in range(args.steps + 2)]
+                r = run(model, pad, args.steps, device, params, peak)
+                print(f"| {shape} | {per * 4096} | padded | false | {r['tok_s']:,.0f} | {r['peak_gb']:.1f} | "
+                      f"{r['mfu']:.1%} | {r['warm_s']:.1f} |", flush=True)
+            del model
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

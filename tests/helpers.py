@@ -114,7 +114,7 @@ def run_config(tmp_path, assets: dict, *overrides: str):
         f"model={assets['model']}", f"output_dir={tmp_path / 'run'}", f"data.sources=[{assets['data']}]",
         "data.max_length=192", f"data.cache_dir={tmp_path / 'cache'}", "batching.tokens_per_micro_batch=384",
         "batching.gradient_accumulation=2", "training.max_steps=6", "training.learning_rate=3e-3",
-        "training.warmup_steps=1", "logging.log_every=1", "checkpoint.export=false",
+        "training.warmup_steps=1", "logging.log_every=1", "checkpoint.export=false", "training.precision=fp32",
     ]
     return load_config(None, base + list(overrides))
 

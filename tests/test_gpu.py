@@ -46,3 +46,55 @@ def test_chunked_loss_on_gpu_matches_full_logits():
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(gh, h.grad, rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(gw, w.grad, rtol=1e-3, atol=1e-4)
+
+
+def test_torch_varlen_kernel_isolates_examples_and_passes_verification():
+    """PyTorch's own varlen kernel (auto's choice on CUDA without flash-attn): same output as per-segment
+    SDPA in bf16, and verify-before-train accepts it."""
+    from test_packing_attention import dataset
+
+    from leansft.core.attention import TORCH_VARLEN, VARLEN, packed_forward, use_packed_attention
+    from leansft.core.collate import collate_packed
+    from leansft.core.verify import verify_model
+
+    device = torch.device("cuda")
+    model = tiny_model("qwen2").to(device)
+    data = dataset([list(range(5, 40)), list(range(60, 90))])
+    batch = collate_packed(data, np.array([0, 1]), np.zeros(2, np.int64), data.lengths[[0, 1]]).to(device)
+    outs = {}
+    for impl in (VARLEN, TORCH_VARLEN):
+        use_packed_attention(model, impl)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            outs[impl] = packed_forward(model, batch).float()
+    assert (outs[VARLEN] - outs[TORCH_VARLEN]).abs().max() < 5e-2
+    v = verify_model(model, [np.arange(5, 29), np.arange(60, 76)], ("packed",))
+    assert v.ok("packed"), v.summary()
+
+
+def test_compiled_layers_train_like_eager_on_gpu():
+    """Regional compile on CUDA: the first steps' losses equal the eager ones within bf16 noise."""
+    from test_packing_attention import dataset
+
+    from leansft.core.attention import choose_backend, use_packed_attention
+    from leansft.core.collate import collate_packed
+    from leansft.core.compile import compile_layers
+    from leansft.core.forward import LossModule
+
+    data = dataset([list(range(5, 40)), list(range(60, 90)), list(range(100, 135))])
+    batch = collate_packed(data, np.array([0, 1, 2]), np.zeros(3, np.int64), data.lengths[[0, 1, 2]])
+    losses = {}
+    for comp in (False, True):
+        model = tiny_model("qwen2").cuda().train()
+        if comp:
+            compile_layers(model)
+        use_packed_attention(model, choose_backend(torch.device("cuda")))
+        module, opt = LossModule(model), torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        losses[comp] = []
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = module(batch.to("cuda")) / batch.target_tokens
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[comp].append(float(loss))
+    assert np.allclose(losses[False], losses[True], rtol=2e-2), losses

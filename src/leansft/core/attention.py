@@ -6,7 +6,9 @@ example must attend only to itself: no cross-example pairs computed, no L x L ma
 Backends:
 - ``flash_attention_2`` (transformers' own, flash-attn's varlen kernel) when flash-attn imports and the
   device is CUDA; it reads the same ``cu_seq_lens_*`` kwargs;
-- ``leansft_sdpa_varlen``: PyTorch SDPA run per example segment (causal inside the segment);
+- ``leansft_torch_varlen``: PyTorch's own varlen flash kernel (``torch.nn.attention.varlen``) on CUDA
+  when flash-attn is not installed: one launch for the whole packed sequence;
+- ``leansft_sdpa_varlen``: PyTorch SDPA run per example segment (causal inside the segment), the CPU's;
 - ``leansft_flex`` (``attention: flex``): flex_attention with a block-diagonal causal mask, one
   compiled kernel for the whole sequence on CUDA (eager, slow but exact, on the CPU).
 No mask function is registered for ``leansft_sdpa_varlen``, so transformers builds no mask at all.
@@ -29,7 +31,9 @@ from leansft.core.errors import ConfigError, ModelError
 log = logging.getLogger("leansft")
 VARLEN = "leansft_sdpa_varlen"
 FLEX = "leansft_flex"
-PACKED_SAFE = {VARLEN, FLEX, "flash_attention_2", "flash_attention_3"}
+TORCH_VARLEN = "leansft_torch_varlen"
+PACKED_SAFE = {VARLEN, FLEX, TORCH_VARLEN, "flash_attention_2", "flash_attention_3"}
+HALF_ONLY = {TORCH_VARLEN, "flash_attention_2", "flash_attention_3"}  # kernels that compute in bf16/fp16 only
 _PLAIN = "_leansft_plain_attention"
 
 
@@ -62,6 +66,7 @@ def _segment_attention(q, k, v, scaling, dropout, softcap, window, sinks=None) -
     return torch.matmul(probs, v)
 
 
+@torch.compiler.disable  # host-side boundaries: eager between compiled layer regions (``core/compile.py``)
 def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: q [B, H, T, D] -> out [B, T, H, D], per-example causal."""
     cu = kwargs.get("cu_seq_lens_q")
@@ -84,6 +89,29 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=Non
     ]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
+
+
+def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """PyTorch's own varlen kernel (``torch.nn.attention.varlen``, flash attention inside torch; CUDA,
+    bf16/fp16): one launch for the whole packed sequence, causal inside each ``cu_seq_lens`` segment."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        raise ModelError("packed attention called without cu_seq_lens: the examples would attend to each other")
+    if query.shape[0] != 1:
+        raise ModelError(f"packed batches are one flat sequence; got batch size {query.shape[0]}")
+    if dropout and module.training:
+        raise ModelError("attention 'torch_varlen' has no attention dropout; use sdpa_varlen")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ModelError("attention 'torch_varlen' has no logit soft-capping or attention sinks; use sdpa_varlen")
+    window = kwargs.get("sliding_window")
+    half = query.dtype if query.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    q, k, v = (x[0].transpose(0, 1).to(half) for x in (query, key, value))  # [T, H, D]
+    max_len = int(kwargs.get("max_length_q") or int(torch.diff(cu).max()))
+    out = varlen_attn(q, k, v, cu.to(torch.int32), cu.to(torch.int32), max_len, max_len, scale=scaling,
+                      window_size=(window - 1 if window else -1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    return out.to(query.dtype)[None], None
 
 
 _FLEX_CACHE: dict = {}
@@ -113,6 +141,7 @@ def _block_mask(cu: torch.Tensor, total: int, window: int | None, device: torch.
     return _FLEX_CACHE["mask"]
 
 
+@torch.compiler.disable  # the block mask is built from host-side boundaries; the kernel is compiled apart
 def flex_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """flex_attention with a block-diagonal causal mask: one kernel for the whole packed sequence."""
     cu = kwargs.get("cu_seq_lens_q")
@@ -138,25 +167,35 @@ def flex_varlen_attention(module, query, key, value, attention_mask, scaling=Non
 def register() -> None:
     AttentionInterface.register(VARLEN, sdpa_varlen_attention)
     AttentionInterface.register(FLEX, flex_varlen_attention)
+    AttentionInterface.register(TORCH_VARLEN, torch_varlen_attention)
 
 
-def choose_backend(device: torch.device, requested: str = "auto", training: bool = True) -> str:
-    """The packed-attention implementation for this device, or a clear error if the request can't run."""
+def choose_backend(device: torch.device, requested: str = "auto", training: bool = True, half: bool = True) -> str:
+    """The packed-attention implementation for this device, or a clear error if the request can't run.
+
+    auto: where the run computes in bf16 on CUDA (``half``), flash-attn's varlen kernel if installed, else
+    PyTorch's own varlen kernel; otherwise per-segment SDPA (the CPU, and fp32 runs: exact in fp32)."""
     register()
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if requested in ("flash",) and not (has_flash and device.type == "cuda"):
         raise ModelError("attention 'flash' needs the flash-attn package and a CUDA device",
                          field="training.attention", hint="pip install flash-attn, or use attention: auto")
+    if requested == "torch_varlen" and device.type != "cuda":
+        raise ConfigError("attention 'torch_varlen' needs a CUDA device (it is flash attention inside torch)",
+                          field="training.attention", hint="use attention: auto (sdpa_varlen) on the CPU")
+    if requested in ("flash", "torch_varlen") and not half:
+        raise ConfigError(f"attention '{requested}' computes in bf16/fp16 only, and this run is fp32",
+                          field="training.attention", hint="use precision: auto or bf16, or attention: auto")
     if requested == "flex":
         if training and device.type != "cuda":
             raise ConfigError("attention 'flex' cannot train on the CPU (flex_attention has no CPU backward)",
                               field="training.attention", hint="use attention: auto (sdpa_varlen) on the CPU")
         return FLEX
-    if requested == "sdpa_varlen":
+    if requested == "sdpa_varlen" or device.type != "cuda" or not half:
         return VARLEN
-    if requested == "flash" or (requested == "auto" and has_flash and device.type == "cuda"):
+    if requested == "flash" or (requested == "auto" and has_flash):
         return "flash_attention_2"
-    return VARLEN
+    return TORCH_VARLEN
 
 
 def set_attention(model, impl: str) -> None:

@@ -28,7 +28,7 @@ Reasoning = Literal["keep", "drop"]
 MultiTurn = Literal["auto", "single", "per_turn"]
 Method = Literal["full", "lora", "qlora"]
 LoraInit = Literal["default", "gaussian", "pissa", "olora"]
-Attention = Literal["auto", "flash", "sdpa_varlen", "flex"]
+Attention = Literal["auto", "flash", "torch_varlen", "sdpa_varlen", "flex"]
 Verify = Literal["fallback", "refuse", "skip"]
 
 
@@ -126,7 +126,10 @@ class TrainingConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 autocast on CUDA and on CPUs "
+                                                      "with bf16 matrix units (AMX / AVX512-BF16), else fp32")
+    compile: bool | Literal["auto"] = Field("auto", description="torch.compile each decoder layer (one compiled "
+                                            "graph reused by every layer); auto: on CUDA only")
     gradient_checkpointing: bool = False
     activation_offloading: bool = False
     loss_chunk_size: int = Field(1024, gt=0)

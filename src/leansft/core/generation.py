@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from leansft.core.attention import plain_attention
+from leansft.core.compile import eager
 from leansft.core.data.formats import Conversation
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 
@@ -33,7 +34,7 @@ def generation_mode(model):
     was_training = model.training
     model.eval()
     try:
-        with plain_attention(model):
+        with plain_attention(model), eager():  # token-by-token shapes: compiled layers would recompile
             yield
     finally:
         model.train(was_training)

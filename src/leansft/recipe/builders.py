@@ -16,6 +16,7 @@ import torch
 
 from leansft.core import parallel
 from leansft.core.attention import choose_backend, use_packed_attention, use_plain_attention
+from leansft.core.compile import compile_layers, wants_compile
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
@@ -39,14 +40,29 @@ def pick_device() -> torch.device:
     return torch.device("cuda", parallel.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def cpu_has_bf16_units() -> bool:
+    """AMX or AVX512-BF16: the CPU multiplies bf16 in hardware (several times its fp32 rate)."""
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on CUDA (auto or bf16); fp32 on the CPU, where bf16 matmuls are slow and inexact."""
+    """The autocast dtype of the run: bf16 where the device multiplies bf16 in hardware (CUDA with bf16
+    support; CPUs with AMX or AVX512-BF16) under ``auto``, or wherever ``bf16`` is asked for; else None (fp32).
+    Weights, optimizer state, the loss and its softmax statistics stay fp32 either way."""
     if precision == "fp32":
         return None
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        if precision == "bf16":
+            raise LeanSFTError("precision bf16: this CUDA device has no bf16 support", field="training.precision",
+                               hint="use precision: fp32 (or auto)")
+        return None
+    if cpu_has_bf16_units():
         return torch.bfloat16
     if precision == "bf16":
-        raise LeanSFTError("precision bf16 needs a CUDA device with bf16 support", field="training.precision")
+        log.warning("precision bf16 on a CPU without bf16 matrix units (AMX / AVX512-BF16): emulated, slower than fp32")
+        return torch.bfloat16
     return None
 
 
@@ -57,7 +73,8 @@ def model_location(cfg: RunConfig) -> str:
 
 
 def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: str | None = None):
-    """The model in fp32 on ``device``, with gradient checkpointing, LoRA and the attention backend set.
+    """The model in fp32 on ``device``, with gradient checkpointing, LoRA, compiled layers (``training.compile``)
+    and the attention backend set.
     Returns (model, attention backend)."""
     t = cfg.training
     if t.method == "qlora":  # 4-bit base, loaded onto the device (bitsandbytes quantises as it places weights)
@@ -78,9 +95,12 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
         model = apply_lora(model, t.lora)
     model.to(device)
     read_output_head(model)  # measured once here, on the plain model, before any wrapping
+    if wants_compile(t.compile, device, cfg.distributed.strategy, parallel.world_size()):
+        compile_layers(model, fall_back=t.compile == "auto")
     if not packed:  # padded batches: the model's own, padding-aware attention
         return model, model.config._attn_implementation
-    backend = choose_backend(device, cfg.training.attention)
+    backend = choose_backend(device, cfg.training.attention,
+                             half=autocast_dtype(t.precision, device) is not None)
     use_packed_attention(model, backend)
     return model, backend
 
@@ -117,8 +137,9 @@ def build_optimizer(cfg: RunConfig, model, device: torch.device) -> torch.optim.
     if ratio is not None:
         groups += [{"params": split[(True, False)], "weight_decay": wd, "lr": lr * ratio},
                    {"params": split[(True, True)], "weight_decay": 0.0, "lr": lr * ratio}]
-    return torch.optim.AdamW(groups, lr=lr, betas=cfg.training.betas,
-                             fused=device.type == "cuda")
+    # Fused (one kernel for all parameters) on CUDA and the CPU; foreach elsewhere. The 4-bit base of qlora
+    # is frozen, so the trainable parameters are plain floating tensors either way.
+    return torch.optim.AdamW(groups, lr=lr, betas=cfg.training.betas, fused=device.type in ("cuda", "cpu"))
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch.profiler import record_function
 
 from leansft.core import parallel
 from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
@@ -92,18 +93,25 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int) ->
     for i, b in enumerate(batches):
         sync = parallel.no_sync(e.loss_module) if i < len(batches) - 1 else contextlib.nullcontext()
         with sync, e.offload, torch.autocast(e.device.type, dtype=e.amp, enabled=e.amp is not None):
-            loss_sum = e.loss_module(b.to(e.device))
-            normalise(loss_sum, step_targets, e.world).backward()
+            with record_function("forward+loss"):
+                loss_sum = e.loss_module(b.to(e.device))
+            with record_function("backward"):
+                normalise(loss_sum, step_targets, e.world).backward()
         loss_total += loss_sum.detach()
-    loss = float(parallel.all_reduce_sum(loss_total, e.device)) / (step_targets or 1.0)
+    with record_function("clip"):
+        norm = torch.nn.utils.clip_grad_norm_(e.params, e.max_grad_norm or float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+    # The step's one host sync: loss and gradient norm together, before the update is applied.
+    loss, grad_norm = torch.stack([parallel.all_reduce_sum(loss_total, e.device) / (step_targets or 1.0),
+                                   norm.to(e.device, torch.float32)]).tolist()
     if not math.isfinite(loss):
         raise LeanSFTError(f"loss is {loss} at step {step}; stopping",
                            hint="lower the learning rate, check the data of this step, or use fp32")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(e.params, e.max_grad_norm or float("inf")))
     lr = e.scheduler.get_last_lr()[0]
-    e.optimizer.step()
-    e.scheduler.step()
-    e.optimizer.zero_grad(set_to_none=True)
+    with record_function("optimizer"):
+        e.optimizer.step()
+        e.scheduler.step()
+        e.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, lr
 
 

