@@ -96,9 +96,9 @@ def test_lora_under_two_ranks(tmp_path, tiny_run_assets, strategy):
     assert exported and not any("lora" in k for k in exported)  # merged on export
 
 
-@pytest.mark.parametrize("first,then", [((2, "ddp"), (1, "ddp")), ((1, "ddp"), (2, "fsdp")),
-                                        ((2, "fsdp"), (1, "ddp")), ((2, "fsdp"), (2, "ddp"))],
-                         ids=["ddp2-to-1", "1-to-fsdp2", "fsdp2-to-1", "fsdp-to-ddp"])
+@pytest.mark.parametrize("first,then", [((1, "ddp"), (2, "fsdp")), ((2, "fsdp"), (1, "ddp")),
+                                        ((2, "fsdp"), (2, "ddp"))],
+                         ids=["1-to-fsdp2", "fsdp2-to-1", "fsdp-to-ddp"])  # DDP's checkpoint is a single process's
 def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, single, first, then):
     """Saved on N ranks (DDP or FSDP), resumed on M: the global step (world x accumulation) is kept and the
     run continues the uninterrupted run's loss sequence; the exported weights agree."""
