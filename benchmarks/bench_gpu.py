@@ -21,7 +21,7 @@ from leansft.core.attention import choose_backend, use_packed_attention
 from leansft.core.compile import compile_layers
 from leansft.core.collate import collate_padded, collate_rows, micro_batches
 from leansft.core.data.dataset import TokenizedDataset
-from leansft.core.flops import attended_squares, device_peak_flops, flop_params, step_flops
+from leansft.core.flops import attended_squares, device_peak_flops, token_flops, step_flops
 from leansft.core.forward import LossModule
 from leansft.core.packing import bfd, padded
 from leansft.tools.stats import lognormal_lengths
@@ -97,7 +97,7 @@ def main() -> None:
             if comp == "true":
                 compile_layers(model)
             use_packed_attention(model, backend)
-            params = flop_params(model)
+            params = token_flops(model)
             for n in map(int, args.tokens.split(",")):
                 packed = [collate_rows(data, plan, g) for g in micro_batches(plan, n)][: args.steps + 2]
                 r = run(model, packed, args.steps, device, params, peak)

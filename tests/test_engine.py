@@ -73,3 +73,22 @@ def test_bf16_autocast_on_the_cpu_trains_close_to_fp32(tmp_path, tiny_run_assets
     assert runs["bf16"][6] < runs["bf16"][1]
     for step, loss in runs["fp32"].items():
         assert runs["bf16"][step] == pytest.approx(loss, rel=2e-2), step
+
+
+def test_flops_count_no_weight_gradient_for_a_frozen_base():
+    """MFU's numerator: 6 FLOPs per trained parameter and token, 4 per frozen one (LoRA's base gets
+    forward and input gradient only); the output layer counts per target token."""
+    from helpers import tiny_model
+
+    from leansft.core.config import LoraConfig
+    from leansft.core.flops import token_flops
+    from leansft.core.models import apply_lora
+
+    model = tiny_model("llama")
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    body = sum(p.numel() for p in model.parameters()) - emb.numel() - head.numel()
+    assert token_flops(model) == (6.0 * body, 6.0 * head.numel())
+    lora = apply_lora(model, LoraConfig(r=4, target_modules="all-linear"))
+    adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert 0 < adapters < body
+    assert token_flops(lora) == (4.0 * body + 6.0 * adapters, 4.0 * head.numel())

@@ -75,6 +75,29 @@ def test_gradient_of_b_wrt_a_embeddings_is_zero(arch):
     assert torch.count_nonzero(grad[12:]) > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_packed_gradients_equal_the_sum_over_examples_alone(arch):
+    """The parameter gradients of a packed row's loss equal those of each example run alone through the
+    plain model (its own attention, its own loss), summed: segment boundaries cost nothing in backward."""
+    from leansft.core.attention import plain_attention
+    from leansft.core.forward import loss_of
+
+    model = tiny_model(arch).train()
+    use_packed_attention(model, VARLEN)
+    data = dataset([list(range(5, 17)), list(range(40, 50)), list(range(100, 121))])
+    batch, hidden = run(model, data, [0, 1, 2])
+    loss_of(model, batch, hidden, 16)[0].backward()  # the output layer as the model applies it (soft-capping)
+    packed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    with plain_attention(model):
+        for i in range(3):
+            ids, labels = (torch.as_tensor(x, dtype=torch.long)[None] for x in data.example(i))
+            out = model(input_ids=ids, labels=labels, use_cache=False)
+            (out.loss * int((labels[0, 1:] != IGNORE_INDEX).sum())).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_positions_restart_per_example():
     data = dataset([[1] * 4, [2] * 3, [3] * 5])
     batch = collate_packed(data, np.array([0, 1, 2]), np.zeros(3, np.int64), data.lengths)

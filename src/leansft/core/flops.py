@@ -22,23 +22,32 @@ def device_peak_flops(device: torch.device, configured: float | None) -> float |
     return None
 
 
-def flop_params(model) -> tuple[int, int]:
-    """(body parameters, output-layer parameters). The body runs on every token; the output layer only
-    on target tokens, as the chunked loss computes it. Input embeddings are a lookup (no FLOPs)."""
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    seen = {emb.data_ptr(), head.data_ptr()}
-    body = sum(p.numel() for p in model.parameters() if p.data_ptr() not in seen)
-    return body, head.numel()
+def _numel(p: torch.Tensor) -> int:
+    """Elements of the weight a parameter stands for (a 4-bit bitsandbytes weight packs two per byte)."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else p.numel()
 
 
-def step_flops(body_params: int, layers: int, hidden: int, real_tokens: int, attended_sq: float,
-               head_params: int = 0, target_tokens: int = 0) -> float:
-    """Training FLOPs (forward + backward = 3 x forward): 6 x body params x tokens for the matmuls,
-    6 x head params x target tokens for the logits the loss computes, plus attention (QK^T and PV,
-    causal half): 6 x layers x hidden x sum(L^2) over the blocks actually attended."""
-    return (6.0 * body_params * real_tokens + 6.0 * head_params * target_tokens
-            + 6.0 * layers * hidden * attended_sq)
+def token_flops(model) -> tuple[float, float]:
+    """(body FLOPs per token, output-layer FLOPs per target token) of one training step's matmuls.
+
+    Forward is 2 FLOPs per parameter, the input gradient 2, the weight gradient 2: 6 for a trained
+    parameter, 4 for a frozen one (LoRA's and QLoRA's base), which gets no weight gradient. Counting a
+    frozen base at 6 would overstate a LoRA run's MFU by half. The body runs on every token; the output
+    layer only on target tokens, as the chunked loss computes it. Input embeddings are a lookup (no FLOPs)."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    skip = {emb.data_ptr(), head.data_ptr()}
+    body = sum((6.0 if p.requires_grad else 4.0) * _numel(p) for p in model.parameters()
+               if p.data_ptr() not in skip)
+    return body, (6.0 if head.requires_grad else 4.0) * _numel(head)
+
+
+def step_flops(body_flops: float, layers: int, hidden: int, real_tokens: int, attended_sq: float,
+               head_flops: float = 0.0, target_tokens: int = 0) -> float:
+    """Training FLOPs of a micro-batch: ``token_flops``' matmuls over its real and target tokens, plus
+    attention (QK^T and PV, causal half, forward + backward = 3 x forward): 6 x layers x hidden x sum(L^2)
+    over the blocks actually attended."""
+    return body_flops * real_tokens + head_flops * target_tokens + 6.0 * layers * hidden * attended_sq
 
 
 def attended_squares(batch) -> float:

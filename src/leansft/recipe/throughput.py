@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from leansft.core import parallel
-from leansft.core.flops import attended_squares, device_peak_flops, flop_params, peak_memory_bytes, step_flops
+from leansft.core.flops import attended_squares, device_peak_flops, token_flops, peak_memory_bytes, step_flops
 
 
 @dataclass
@@ -38,7 +38,7 @@ class ThroughputWindow:
 
     def __init__(self, model, device: torch.device, peak_flops: float | None, world: int) -> None:
         self.device, self.world = device, world
-        self.body_params, self.head_params = flop_params(model)
+        self.body_flops, self.head_flops = token_flops(model)
         self.layers, self.hidden = model.config.num_hidden_layers, model.config.hidden_size
         self.peak = device_peak_flops(device, peak_flops)
         self._reset()
@@ -56,8 +56,8 @@ class ThroughputWindow:
             local[1] += b.real_tokens
             local[2] += int(b.input_ids.numel())
             local[3] += b.examples_begun
-            local[4] += step_flops(self.body_params, self.layers, self.hidden, b.real_tokens, attended_squares(b),
-                                   self.head_params, b.target_tokens)
+            local[4] += step_flops(self.body_flops, self.layers, self.hidden, b.real_tokens, attended_squares(b),
+                                   self.head_flops, b.target_tokens)
             local[5] += b.target_weight
         total = parallel.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device), self.device)
         t, r, s, e, f, w = total.tolist()

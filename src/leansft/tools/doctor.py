@@ -23,7 +23,7 @@ from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.prepare import prepare_data
 from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import DataError, LeanSFTError, TemplateError
-from leansft.core.flops import attended_squares, device_peak_flops, flop_params, step_flops
+from leansft.core.flops import attended_squares, device_peak_flops, token_flops, step_flops
 from leansft.core.forward import LossModule
 from leansft.core.generation import stop_token_ids
 from leansft.core.loss import normalise
@@ -219,7 +219,7 @@ def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> 
                 {"measured_bytes": int(measured), "estimated_bytes": int(act_est), "estimate": est["parts"]})
     steps = min(3, len(groups))
     t0, tokens, flops = time.perf_counter(), 0, 0.0
-    body, head = flop_params(model)
+    body, head = token_flops(model)
     for g in groups[:steps]:
         b = batcher.collate(plan, g).to(device)
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
