@@ -21,7 +21,7 @@ from leansft.core.attention import choose_backend, use_packed_attention
 from leansft.core.compile import compile_layers
 from leansft.core.collate import collate_padded, collate_rows, micro_batches
 from leansft.core.data.dataset import TokenizedDataset
-from leansft.core.flops import attended_squares, device_peak_flops, token_flops, step_flops
+from leansft.core.flops import attended_squares, device_peak_flops, step_flops, token_flops
 from leansft.core.forward import LossModule
 from leansft.core.packing import bfd, padded
 from leansft.tools.stats import lognormal_lengths

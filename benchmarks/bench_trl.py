@@ -180,6 +180,7 @@ def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
             f"training.precision={s['precision']}", f"training.method={s['method']}", "training.epochs=1",
             "checkpoint.keep_last=1", "logging.log_every=1000000",
             "training.lora.r=16", "training.lora.alpha=32", "training.lora.target_modules=all-linear"]
+    shutil.rmtree(out, ignore_errors=True)  # each pass (and each pair) starts a fresh run
     if measure_memory:
         with TensorMemoryTracker() as tr:
             train(load_config(None, over + ["training.max_steps=2", "checkpoint.export=false"]))
@@ -225,12 +226,12 @@ def run_trl(s: dict, measure_memory: bool) -> dict:
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
                                  task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=peft_config)
-    seen = [0]
+    seen: list[int] = []
     collate = trainer.data_collator
 
     def counting(examples):  # padding-free rows: every position is a real token
         batch = collate(examples)
-        seen[0] += int(batch["input_ids"].numel())
+        seen.append(int(batch["input_ids"].numel()))
         return batch
 
     trainer.data_collator = counting
@@ -243,7 +244,8 @@ def run_trl(s: dict, measure_memory: bool) -> dict:
     dt = time.perf_counter() - t0
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     plain = trainer.model.merge_and_unload() if peft_config else trainer.model
-    return {"seconds": dt, "wall": dt, "real_tokens": seen[0], "steps": trainer.state.global_step,
+    steps = trainer.state.global_step  # accelerate's loader fetches one batch ahead: count the trained ones
+    return {"seconds": dt, "wall": dt, "real_tokens": sum(seen[:steps]), "steps": steps,
             "final_loss": losses[-1], "padding_share": 0.0, "heldout_loss": heldout_loss(plain.float(), s["model"])}
 
 
@@ -261,6 +263,7 @@ def run_child(kind: str, settings: dict) -> dict:
     if line is None:
         print(proc.stdout[-2000:], proc.stderr[-4000:])
         raise SystemExit(f"{kind} failed")
+    print(kind, line[7:], flush=True)  # as it comes: a long run that fails later keeps what it measured
     return json.loads(line[7:])
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from leansft.core import parallel
-from leansft.core.flops import attended_squares, device_peak_flops, token_flops, peak_memory_bytes, step_flops
+from leansft.core.flops import attended_squares, device_peak_flops, peak_memory_bytes, step_flops, token_flops
 
 
 @dataclass

@@ -23,7 +23,7 @@ from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.prepare import prepare_data
 from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import DataError, LeanSFTError, TemplateError
-from leansft.core.flops import attended_squares, device_peak_flops, token_flops, step_flops
+from leansft.core.flops import attended_squares, device_peak_flops, step_flops, token_flops
 from leansft.core.forward import LossModule
 from leansft.core.generation import stop_token_ids
 from leansft.core.loss import normalise
