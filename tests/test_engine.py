@@ -92,3 +92,14 @@ def test_flops_count_no_weight_gradient_for_a_frozen_base():
     adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert 0 < adapters < body
     assert token_flops(lora) == (4.0 * body + 6.0 * adapters, 4.0 * head.numel())
+
+
+def test_a_4bit_weight_counts_its_real_elements():
+    """bitsandbytes packs two 4-bit values a byte; the FLOP count uses the quantised weight's own shape."""
+    from types import SimpleNamespace
+
+    from leansft.core.flops import _numel
+
+    packed = torch.zeros(8 * 16 // 2, 1, dtype=torch.uint8)
+    packed.quant_state = SimpleNamespace(shape=torch.Size([8, 16]))
+    assert _numel(packed) == 128 and _numel(torch.zeros(8, 16)) == 128
