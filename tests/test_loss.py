@@ -60,6 +60,28 @@ def test_softcap_and_bf16():
     assert float(loss.detach()) == pytest.approx(float(ref_loss), rel=1e-2)
 
 
+def test_cpu_bf16_autocast_head_takes_bf16_inputs_with_fp32_accumulation():
+    """Under CPU bf16 autocast the head's matmuls run as autocast runs a linear layer (bf16 inputs), but
+    accumulate and return fp32: the loss equals the exact loss of the bf16-rounded inputs, not a bf16 one."""
+    from leansft.recipe.builders import cpu_has_bf16_units
+
+    emb, ids, proj, labels, weight = setup(T=64, H=32, V=301)
+    hidden = (emb[ids] @ proj).detach().requires_grad_()
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, n = chunked_loss(hidden, weight, labels, 16)
+    assert torch.backends.mkldnn.matmul.fp32_precision == before  # the switch is the loss's alone
+    loss.backward()
+    assert loss.dtype == torch.float32 and n == int((labels[0, 1:] != IGNORE_INDEX).sum())
+    rounded, _ = full_logits_loss(hidden.detach().bfloat16().double(), weight.detach().bfloat16().double(), labels)
+    # Without bf16 units oneDNN may keep fp32 products: then only bf16-level closeness holds.
+    assert float(loss) == pytest.approx(float(rounded), rel=1e-5 if cpu_has_bf16_units() else 1e-2)
+    h32, w32 = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    full_logits_loss(h32, w32, labels)[0].backward()
+    for got, ref in ((hidden.grad, h32.grad), (weight.grad, w32.grad)):  # bf16-level gradients
+        assert float((got - ref).norm() / ref.norm()) < 1e-2
+
+
 def test_frozen_weight_gets_no_gradient():
     emb, ids, proj, labels, weight = setup()
     hidden = (emb[ids] @ proj).detach().requires_grad_()

@@ -98,6 +98,22 @@ def test_packed_gradients_equal_the_sum_over_examples_alone(arch):
         torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_short_segments_attend_in_fp32_under_cpu_bf16_autocast():
+    """The CPU's bf16 flash kernel is slower than its fp32 one on short segments: those run in fp32 (exact
+    fp32 attention, returned in bf16 as autocast's would be); longer ones stay bf16 as autocast makes them."""
+    from leansft.core.attention import CPU_HALF_SEGMENT_MAX, _segment_attention
+
+    g = torch.Generator().manual_seed(0)
+    for length, fp32 in ((12, True), (CPU_HALF_SEGMENT_MAX + 1, False)):
+        q, k, v = (torch.randn(1, h, length, 16, generator=g) for h in (4, 2, 2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = _segment_attention(q, k, v, None, 0.0, None, None)
+            bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, exact.bfloat16() if fp32 else bf16)
+
+
 def test_positions_restart_per_example():
     data = dataset([[1] * 4, [2] * 3, [3] * 5])
     batch = collate_packed(data, np.array([0, 1, 2]), np.zeros(3, np.int64), data.lengths)

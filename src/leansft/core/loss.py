@@ -11,10 +11,31 @@ extra memory is one chunk's fp32 logits (plus the weight gradient that training 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ConfigError
+
+
+@contextlib.contextmanager
+def _head_matmul_precision(device: torch.device):
+    """Under CPU bf16 autocast the head's three matmuls (logits, hidden and weight gradients) take bf16
+    inputs with fp32 accumulation and fp32 output (oneDNN, AMX: 2-3x the fp32 rate), as autocast runs every
+    other linear layer of the model; logits, softmax statistics and the loss stay fp32. Elsewhere: unchanged."""
+    cpu_bf16 = (device.type == "cpu" and torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+    if not cpu_bf16:
+        yield
+        return
+    flag = torch.backends.mkldnn.matmul
+    was = flag.fp32_precision
+    flag.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        flag.fp32_precision = was
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -34,41 +55,42 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # fresh [chunk, vocab] tensor per op costs page faults comparable to the arithmetic itself.
         buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=torch.float32,
                           device=hidden.device) if fp32 else None
-        for s in range(0, hidden.shape[0], chunk_size):
-            h = hidden[s : s + chunk_size]
-            t = targets[s : s + chunk_size]
-            logits = torch.mm(h, w.t(), out=buf[: len(h)]) if fp32 else (h @ w.t()).float()
-            if bias is not None:
-                logits += bias.float()
-            if scale != 1.0:
-                logits *= scale
-            if softcap is not None:
-                capped = torch.tanh(logits / softcap)
-                logits = capped * softcap
-            rows = torch.arange(len(t), device=t.device)
-            picked = logits[rows, t]
-            peak = logits.amax(dim=-1, keepdim=True)
-            sums = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True)  # exp(logits - max), in place
-            lse = (sums.log() + peak).squeeze(-1)
-            tw = None if token_weights is None else token_weights[s : s + chunk_size]
-            token_loss = lse - picked
-            total += (token_loss if tw is None else token_loss * tw).sum()
-            if need_h or need_w or need_b:
-                g = logits.div_(sums)  # the softmax, still in the logits' buffer
-                g[rows, t] -= 1.0
-                if tw is not None:
-                    g *= tw[:, None]
-                if softcap is not None:
-                    g *= 1.0 - capped * capped
+        with _head_matmul_precision(hidden.device):
+            for s in range(0, hidden.shape[0], chunk_size):
+                h = hidden[s : s + chunk_size]
+                t = targets[s : s + chunk_size]
+                logits = torch.mm(h, w.t(), out=buf[: len(h)]) if fp32 else (h @ w.t()).float()
+                if bias is not None:
+                    logits += bias.float()
                 if scale != 1.0:
-                    g *= scale
-                if need_h:
-                    grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
-                if need_w:
-                    grad_w.addmm_(g.t(), h.float())
-                if need_b:
-                    grad_b += g.sum(0)
-            del logits
+                    logits *= scale
+                if softcap is not None:
+                    capped = torch.tanh(logits / softcap)
+                    logits = capped * softcap
+                rows = torch.arange(len(t), device=t.device)
+                picked = logits[rows, t]
+                peak = logits.amax(dim=-1, keepdim=True)
+                sums = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True)  # exp(logits - max), in place
+                lse = (sums.log() + peak).squeeze(-1)
+                tw = None if token_weights is None else token_weights[s : s + chunk_size]
+                token_loss = lse - picked
+                total += (token_loss if tw is None else token_loss * tw).sum()
+                if need_h or need_w or need_b:
+                    g = logits.div_(sums)  # the softmax, still in the logits' buffer
+                    g[rows, t] -= 1.0
+                    if tw is not None:
+                        g *= tw[:, None]
+                    if softcap is not None:
+                        g *= 1.0 - capped * capped
+                    if scale != 1.0:
+                        g *= scale
+                    if need_h:
+                        grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
+                    if need_w:
+                        grad_w.addmm_(g.t(), h.float())
+                    if need_b:
+                        grad_b += g.sum(0)
+                del logits
         ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
         ctx.has = (need_h, need_w, need_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
