@@ -170,7 +170,10 @@ def test_a_split_example_is_counted_once(tmp_path, tiny_run_assets):
     """bfd_split spreads long examples over several rows; examples_seen counts each example once."""
     from leansft.core.data.prepare import prepare_data
 
-    cfg = run_config(tmp_path, tiny_run_assets, "batching.strategy=bfd_split", "data.max_length=64",
+    rows = Path(tiny_run_assets["data"]).read_text().splitlines()[:24]  # one whole epoch: keep it short
+    (tmp_path / "rows.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = run_config(tmp_path, tiny_run_assets, f"data.sources=[{tmp_path / 'rows.jsonl'}]",
+                     "batching.strategy=bfd_split", "data.max_length=64",
                      "batching.tokens_per_micro_batch=64", "batching.gradient_accumulation=1",
                      "training.max_steps=null", "training.epochs=1", "logging.log_every=1000")
     data = prepare_data(cfg.data, cfg.model, truncate=False).train
