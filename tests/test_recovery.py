@@ -247,7 +247,7 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     import random
     import time
 
-    common = ["training.max_steps=250", "checkpoint.save_every=1", "checkpoint.keep_last=2", "checkpoint.export=true",
+    common = ["training.max_steps=160", "checkpoint.save_every=1", "checkpoint.keep_last=2", "checkpoint.export=true",
               "logging.log_every=10"]
     whole = run_config(tmp_path / "whole", tiny_run_assets, *common)
     train(whole)
