@@ -103,3 +103,27 @@ def test_a_4bit_weight_counts_its_real_elements():
     packed = torch.zeros(8 * 16 // 2, 1, dtype=torch.uint8)
     packed.quant_state = SimpleNamespace(shape=torch.Size([8, 16]))
     assert _numel(packed) == 128 and _numel(torch.zeros(8, 16)) == 128
+
+
+def test_logged_rates_count_the_time_inside_steps_only():
+    """Step 0's eval and samples, and checkpoints between log lines, are not training time: a window's
+    rates are its tokens over the seconds its steps took, whatever else ran in between."""
+    import time
+
+    import numpy as np
+    from helpers import tiny_model
+
+    from leansft.core.collate import collate_packed
+    from leansft.core.data.dataset import TokenizedDataset
+    from leansft.recipe.throughput import ThroughputWindow
+
+    ids = np.arange(1, 21, dtype=np.int32)
+    data = TokenizedDataset.from_arrays(ids, ids.copy(), np.array([0, 12, 20]))
+    batch = collate_packed(data, np.array([0, 1]), np.zeros(2, np.int64), data.lengths)
+    window = ThroughputWindow(tiny_model("llama"), torch.device("cpu"), None, 1)
+    time.sleep(0.2)  # "evaluation" before the first step
+    window.count([batch])
+    window.add_time(0.5)
+    rec = window.record()
+    assert rec["real_tokens_per_s"] == pytest.approx(20 / 0.5)
+    assert rec["target_tokens_per_s"] == pytest.approx(batch.target_tokens / 0.5)

@@ -34,7 +34,12 @@ class StepCounts:
 
 
 class ThroughputWindow:
-    """Counts steps since the last log line; ``record()`` returns the rates and starts a new window."""
+    """Counts steps since the last log line; ``record()`` returns the rates and starts a new window.
+
+    Rates are over the time spent inside those steps (``add_time``), not the wall time since the last
+    line: evaluation, sample generation and checkpoints between lines (step 0's eval and samples
+    before the first step among them) would otherwise show as a slow step. The run's wall time is
+    in ``RunTotals``."""
 
     def __init__(self, model, device: torch.device, peak_flops: float | None, world: int) -> None:
         self.device, self.world = device, world
@@ -46,7 +51,11 @@ class ThroughputWindow:
             torch.cuda.reset_peak_memory_stats(device)
 
     def _reset(self) -> None:
-        self.t0, self.counts = time.perf_counter(), StepCounts()
+        self.seconds, self.counts = 0.0, StepCounts()
+
+    def add_time(self, seconds: float) -> None:
+        """Time one step of the window took (its batches, forward, backward and update)."""
+        self.seconds += seconds
 
     def count(self, batches) -> StepCounts:
         """Global counts of one step (this rank's micro-batches, summed over ranks); added to the window."""
@@ -66,7 +75,7 @@ class ThroughputWindow:
         return step
 
     def record(self) -> dict:
-        dt = max(time.perf_counter() - self.t0, 1e-9)
+        dt = max(self.seconds, 1e-9)
         c = self.counts
         out = {"real_tokens_per_s": c.real / dt, "target_tokens_per_s": c.targets / dt,
                "padding_share": 1.0 - c.real / max(c.slots, 1), "peak_memory_bytes": peak_memory_bytes(self.device),

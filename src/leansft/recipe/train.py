@@ -159,7 +159,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             batches, position = next(steps)
             counts = window.count(batches)
             loss, grad_norm, lr = train_step(engine, batches, counts.weight, state.step + 1)
-            run.add(counts, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            run.add(counts, seconds)
+            window.add_time(seconds)
             state.advance(position, counts)
             guard.check(state.step, loss, grad_norm)
             progress.update(state.step, loss, lr, counts.real)
