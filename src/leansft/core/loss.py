@@ -55,42 +55,41 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # fresh [chunk, vocab] tensor per op costs page faults comparable to the arithmetic itself.
         buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=torch.float32,
                           device=hidden.device) if fp32 else None
-        with _head_matmul_precision(hidden.device):
-            for s in range(0, hidden.shape[0], chunk_size):
-                h = hidden[s : s + chunk_size]
-                t = targets[s : s + chunk_size]
-                logits = torch.mm(h, w.t(), out=buf[: len(h)]) if fp32 else (h @ w.t()).float()
-                if bias is not None:
-                    logits += bias.float()
-                if scale != 1.0:
-                    logits *= scale
+        for s in range(0, hidden.shape[0], chunk_size):
+            h = hidden[s : s + chunk_size]
+            t = targets[s : s + chunk_size]
+            logits = torch.mm(h, w.t(), out=buf[: len(h)]) if fp32 else (h @ w.t()).float()
+            if bias is not None:
+                logits += bias.float()
+            if scale != 1.0:
+                logits *= scale
+            if softcap is not None:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            rows = torch.arange(len(t), device=t.device)
+            picked = logits[rows, t]
+            peak = logits.amax(dim=-1, keepdim=True)
+            sums = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True)  # exp(logits - max), in place
+            lse = (sums.log() + peak).squeeze(-1)
+            tw = None if token_weights is None else token_weights[s : s + chunk_size]
+            token_loss = lse - picked
+            total += (token_loss if tw is None else token_loss * tw).sum()
+            if need_h or need_w or need_b:
+                g = logits.div_(sums)  # the softmax, still in the logits' buffer
+                g[rows, t] -= 1.0
+                if tw is not None:
+                    g *= tw[:, None]
                 if softcap is not None:
-                    capped = torch.tanh(logits / softcap)
-                    logits = capped * softcap
-                rows = torch.arange(len(t), device=t.device)
-                picked = logits[rows, t]
-                peak = logits.amax(dim=-1, keepdim=True)
-                sums = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True)  # exp(logits - max), in place
-                lse = (sums.log() + peak).squeeze(-1)
-                tw = None if token_weights is None else token_weights[s : s + chunk_size]
-                token_loss = lse - picked
-                total += (token_loss if tw is None else token_loss * tw).sum()
-                if need_h or need_w or need_b:
-                    g = logits.div_(sums)  # the softmax, still in the logits' buffer
-                    g[rows, t] -= 1.0
-                    if tw is not None:
-                        g *= tw[:, None]
-                    if softcap is not None:
-                        g *= 1.0 - capped * capped
-                    if scale != 1.0:
-                        g *= scale
-                    if need_h:
-                        grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
-                    if need_w:
-                        grad_w.addmm_(g.t(), h.float())
-                    if need_b:
-                        grad_b += g.sum(0)
-                del logits
+                    g *= 1.0 - capped * capped
+                if scale != 1.0:
+                    g *= scale
+                if need_h:
+                    grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
+                if need_w:
+                    grad_w.addmm_(g.t(), h.float())
+                if need_b:
+                    grad_b += g.sum(0)
+            del logits
         ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
         ctx.has = (need_h, need_w, need_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -139,7 +138,9 @@ def chunked_loss(
     if not torch.is_grad_enabled():  # evaluation: no gradient buffers (the weight may still require grad)
         h, weight = h.detach(), weight.detach()
         bias = bias.detach() if bias is not None else None
-    return _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap, tw), int(t.numel())
+    with _head_matmul_precision(hidden.device):  # the Function's forward computes the gradients too
+        loss = _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap, tw)
+    return loss, int(t.numel())
 
 
 def full_logits_loss(hidden, weight, labels, softcap: float | None = None, bias=None,
