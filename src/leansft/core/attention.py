@@ -40,13 +40,14 @@ _PLAIN = "_leansft_plain_attention"
 CPU_HALF_SEGMENT_MAX = 256
 
 
-def _half_on_cpu(*xs: torch.Tensor) -> bool:
-    """SDPA would run in bf16/fp16 here: a half-precision input, or CPU autocast (which casts them all)."""
-    return torch.is_autocast_enabled("cpu") or any(x.dtype in (torch.bfloat16, torch.float16) for x in xs)
-
-
-def _half_dtype(v: torch.Tensor) -> torch.dtype:
-    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else v.dtype
+def _cpu_half_dtype(*xs: torch.Tensor) -> torch.dtype | None:
+    """The bf16/fp16 dtype SDPA would run and return in on the CPU here (CPU autocast's, or a half input's);
+    None where it runs in fp32 or not on the CPU."""
+    if xs[0].device.type != "cpu":
+        return None
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return next((x.dtype for x in xs if x.dtype in (torch.bfloat16, torch.float16)), None)
 
 
 def _segment_attention(q, k, v, scaling, dropout, softcap, window, sinks=None) -> torch.Tensor:
@@ -54,13 +55,14 @@ def _segment_attention(q, k, v, scaling, dropout, softcap, window, sinks=None) -
     attention sink (gpt-oss), a virtual key every query attends to with no value."""
     n_rep = q.shape[1] // k.shape[1]
     if softcap is None and sinks is None and (window is None or q.shape[2] <= window):
-        if q.device.type == "cpu" and q.shape[2] <= CPU_HALF_SEGMENT_MAX and _half_on_cpu(q, k, v):
+        half = _cpu_half_dtype(q, k, v) if q.shape[2] <= CPU_HALF_SEGMENT_MAX else None
+        if half is not None:
             # The CPU's flash kernel is 2-3x slower in bf16 than in fp32 on short segments (its backward
             # above all); fp32 there is faster and more precise. Autocast would cast the inputs back.
             with torch.autocast("cpu", enabled=False):
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=scaling,
                                                      dropout_p=dropout, enable_gqa=n_rep > 1)
-            return out.to(_half_dtype(v))  # the dtype autocast's (or a bf16 input's) attention returns
+            return out.to(half)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout,
                                               enable_gqa=n_rep > 1)
     # Soft-capped (Gemma 2), with sinks (gpt-oss) or longer than a sliding window: explicit scores for
