@@ -127,3 +127,40 @@ def test_logged_rates_count_the_time_inside_steps_only():
     rec = window.record()
     assert rec["real_tokens_per_s"] == pytest.approx(20 / 0.5)
     assert rec["target_tokens_per_s"] == pytest.approx(batch.target_tokens / 0.5)
+
+
+def test_lora_under_autocast_skips_peft_input_casts_bit_for_bit():
+    """Plain LoRA layers keep a bf16 input bf16 for their adapter (peft would cast it to fp32 and autocast
+    straight back): the loss and every adapter gradient are bitwise what peft's own casting gives."""
+    from helpers import tiny_model
+
+    from leansft.core.config import LoraConfig
+    from leansft.core.models import apply_lora
+
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    results = []
+    for keep_casts in (True, False):
+        model = apply_lora(tiny_model("llama"), LoraConfig(r=4, target_modules="all-linear", init="gaussian"))
+        layers = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+        assert layers and not any(m.cast_input_dtype_enabled for m in layers)  # what apply_lora sets
+        for m in layers:
+            m.cast_input_dtype_enabled = keep_casts
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+    (peft_loss, peft_grads), (loss, grads) = results
+    assert torch.equal(peft_loss, loss)
+    assert all(torch.equal(a, b) for a, b in zip(peft_grads, grads, strict=True))
+
+
+def test_lora_with_dropout_or_dora_keeps_peft_casts():
+    from helpers import tiny_model
+
+    from leansft.core.config import LoraConfig
+    from leansft.core.models import apply_lora
+
+    for cfg in (LoraConfig(r=4, target_modules="all-linear", dropout=0.1),
+                LoraConfig(r=4, target_modules="all-linear", use_dora=True)):
+        model = apply_lora(tiny_model("llama"), cfg)
+        assert all(m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "lora_A"))
