@@ -8,6 +8,8 @@ Each side runs in its own subprocess: a short pass under the live-tensor memory 
 then the timed run. Sides alternate (TRL, leansft, TRL, leansft, ...) for ``--pairs`` pairs, so a busy
 machine slows both alike. Real tokens/s: TRL's over ``trainer.train()``, leansft's over its training
 steps (model loading, data preparation, the pre-flight verification and the export are outside both).
+leansft's side runs under the glibc malloc settings ``leansft train`` gives itself (``tools/allocator.py``);
+``--same-malloc`` gives TRL's side the same, for the difference that makes alone.
 After training each side's model is judged by the plain Hugging Face model: the held-out loss on the
 same held-out conversations (labels: loss on the answers), computed the same way for both.
 
@@ -23,7 +25,7 @@ Workloads (--workload):
 
     .venv/bin/python benchmarks/bench_trl.py --workload fair --max-length 4096 --steps 20 --pairs 3
     .venv/bin/python benchmarks/bench_trl.py --workload smollm2 --method lora --examples 96 --steps 12 --pairs 2
-    [--precision fp32|bf16] [--strategies bfd,sorted,padded]
+    [--precision fp32|bf16] [--strategies bfd,sorted,padded] [--same-malloc]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -38,6 +41,8 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+
+from leansft.tools.allocator import TUNABLES
 
 WORK = Path("runs/bench_trl")
 WORDS = ("the a model learns to answer every question about data packing attention loss memory tokens rows "
@@ -256,8 +261,13 @@ def child(kind: str, settings: dict) -> None:
 
 
 def run_child(kind: str, settings: dict) -> dict:
+    # leansft's side runs under the malloc settings `leansft train` starts itself with (tools/allocator.py);
+    # TRL's as TRL runs, unless --same-malloc gives it the same.
+    env = dict(os.environ)
+    if kind.startswith("leansft") or settings.get("same_malloc"):
+        env["GLIBC_TUNABLES"] = TUNABLES
     proc = subprocess.run([sys.executable, __file__, "--child", kind, "--settings", json.dumps(settings)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         print(proc.stdout[-2000:], proc.stderr[-4000:])
@@ -277,6 +287,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="default: 2e-4 for smollm2, 1e-3 for the random models")
     ap.add_argument("--pairs", type=int, default=1, help="TRL/leansft pairs, run alternately")
     ap.add_argument("--strategies", default="bfd", help="leansft strategies besides bfd, once each: sorted,padded")
+    ap.add_argument("--same-malloc", action="store_true", help="TRL under leansft's malloc settings too")
     ap.add_argument("--child", default=None)
     ap.add_argument("--settings", default=None)
     args = ap.parse_args()
@@ -287,11 +298,12 @@ def main() -> None:
     smol = args.workload == "smollm2"
     settings = {**SETUPS[args.workload](args.examples), "max_length": args.max_length, "steps": args.steps,
                 "precision": args.precision, "method": args.method or ("lora" if smol else "full"),
-                "lr": args.lr or (2e-4 if smol else 1e-3)}
+                "lr": args.lr or (2e-4 if smol else 1e-3), "same_malloc": args.same_malloc}
     pairs = [(run_child("trl", settings), run_child("leansft:bfd", settings)) for _ in range(args.pairs)]
     extra = {k: run_child(f"leansft:{k}", settings) for k in args.strategies.split(",") if k and k != "bfd"}
     print(f"\n{args.workload}: {settings['method']}, {args.examples} chats, rows of {args.max_length}, "
-          f"{args.steps or 'one epoch of'} steps, CPU {args.precision}, lr {settings['lr']}")
+          f"{args.steps or 'one epoch of'} steps, CPU {args.precision}, lr {settings['lr']}"
+          f"{', TRL under the same malloc settings' if args.same_malloc else ''}")
     print("| run | real tok/s | peak MB | steps | final loss | held-out loss | wall s |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     rate = lambda r: r["real_tokens"] / r["seconds"]  # noqa: E731
     rows = [(f"TRL #{i + 1}", t) for i, (t, _) in enumerate(pairs)] + [(f"leansft bfd #{i + 1}", o) for i, (_, o) in enumerate(pairs)]

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from leansft.tools.allocator import reexec_with_malloc_settings
+
 sys.path.insert(0, str(Path(__file__).parent))
 WORK = Path("runs/profile")
 ALPACA = Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json"
@@ -128,6 +130,7 @@ def main() -> None:
     ap.add_argument("--compile", default="false")
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
     args = ap.parse_args()
+    reexec_with_malloc_settings(["train"])  # profile what `leansft train` runs under (LEANSFT_MALLOC=0: without)
     shutil.rmtree(WORK / "run", ignore_errors=True)
     from leansft.recipe.train import train_step
 

@@ -123,3 +123,29 @@ def test_show_mask_html_page(tmp_path, qwen25_path, capsys):
     assert parser.examples == [(str(sum(x != -100 for x in ex["labels"])), str(int(len(ex["input_ids"]) > 20)))
                                for ex in examples]
     assert 'id="filter"' in page.read_text()
+
+
+def test_train_reexecutes_once_under_the_malloc_settings(tmp_path):
+    """``leansft train`` restarts itself (same PID, same arguments) with glibc's malloc keeping freed memory;
+    other commands, LEANSFT_MALLOC=0 and a user's own malloc tunables are left alone."""
+    import os
+
+    from leansft.tools.allocator import TUNABLES, wanted
+
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, sys\nfrom leansft.tools.allocator import reexec_with_malloc_settings\n"
+                     "pid = os.environ.get('PROBE_PID', str(os.getpid()))\nos.environ['PROBE_PID'] = pid\n"
+                     "reexec_with_malloc_settings(sys.argv[1:])\n"
+                     "print(pid == str(os.getpid()), sys.argv[1:], os.environ.get('GLIBC_TUNABLES'))\n")
+
+    def run(*args, **env):
+        base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LEANSFT_MALLOC")}
+        r = subprocess.run([sys.executable, str(probe), *args], capture_output=True, text=True, env={**base, **env})
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    assert run("-v", "train", "cfg.yaml", "x=1") == f"True ['-v', 'train', 'cfg.yaml', 'x=1'] {TUNABLES}"
+    assert run("plan", "--data", "d") == "True ['plan', '--data', 'd'] None"
+    assert run("train", LEANSFT_MALLOC="0").endswith("None")
+    assert run("train", GLIBC_TUNABLES="glibc.cpu.x86_shstk=0").endswith(f"glibc.cpu.x86_shstk=0:{TUNABLES}")
+    assert not wanted(["train"], {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})

@@ -1,0 +1,39 @@
+"""glibc's malloc told to keep freed memory for reuse, set before a training process starts.
+
+On the CPU every tensor is a malloc. glibc hands out blocks above its mmap threshold (128 KiB, rising
+to at most 32 MiB) as fresh mmaps and returns them on free, so each step's large activations, casts and
+the loss's [chunk, vocab] logits are new pages: every 4 KiB page faults and is zeroed by the kernel
+before use. Measured on a 2-core KVM Xeon: a 106 MB tensor filled in 27-30 ms fresh vs 7 ms reused; a
+SmolLM2 LoRA bf16 step 5-10% faster, system time halved. Raising the mmap and trim thresholds keeps the
+freed blocks in the heap (the way a CUDA caching allocator keeps GPU memory): the process holds its
+peak, not more. glibc reads these settings only at process start, so ``leansft train`` re-executes
+itself once with them (same PID, same command line); ``LEANSFT_MALLOC=0`` or an existing malloc setting
+in ``GLIBC_TUNABLES`` leaves the process as it is. Imports nothing heavy: it runs before torch loads.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+TUNABLES = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=68719476736"
+COMMANDS = {"train"}
+
+
+def wanted(argv: list[str], environ=os.environ) -> bool:
+    """Whether this command line should run under the malloc settings and does not yet."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return (command in COMMANDS and sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+            and environ.get("LEANSFT_MALLOC", "1") != "0" and "glibc.malloc." not in environ.get("GLIBC_TUNABLES", ""))
+
+
+def reexec_with_malloc_settings(argv: list[str]) -> None:
+    """Re-execute this very command line with ``TUNABLES`` added to ``GLIBC_TUNABLES`` (returns if not wanted)."""
+    if not wanted(argv):
+        return
+    old = os.environ.get("GLIBC_TUNABLES")
+    os.environ["GLIBC_TUNABLES"] = f"{old}:{TUNABLES}" if old else TUNABLES
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
