@@ -46,8 +46,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 token_weights=None):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        # The first chunk writes the weight and bias gradients, later ones add to them: no zero-filled
+        # [vocab, hidden] buffer (a full pass over the largest matrix of the model) before the first.
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.empty(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         w = weight
         fp32 = hidden.dtype == torch.float32 and w.dtype == torch.float32
@@ -86,9 +88,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 if need_h:
                     grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w.addmm_(g.t(), h.float())
+                    torch.mm(g.t(), h.float(), out=grad_w) if s == 0 else grad_w.addmm_(g.t(), h.float())
                 if need_b:
-                    grad_b += g.sum(0)
+                    torch.sum(g, 0, out=grad_b) if s == 0 else grad_b.add_(g.sum(0))
             del logits
         ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
         ctx.has = (need_h, need_w, need_b)
