@@ -88,9 +88,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 if need_h:
                     grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
                 if need_w:
-                    torch.mm(g.t(), h.float(), out=grad_w) if s == 0 else grad_w.addmm_(g.t(), h.float())
+                    if s == 0:
+                        torch.mm(g.t(), h.float(), out=grad_w)
+                    else:
+                        grad_w.addmm_(g.t(), h.float())
                 if need_b:
-                    torch.sum(g, 0, out=grad_b) if s == 0 else grad_b.add_(g.sum(0))
+                    if s == 0:
+                        torch.sum(g, 0, out=grad_b)
+                    else:
+                        grad_b += g.sum(0)
             del logits
         ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
         ctx.has = (need_h, need_w, need_b)

@@ -107,8 +107,8 @@ def apply_lora(model, lora_cfg):
     return model
 
 
-def keep_autocast_inputs(model) -> int:
-    """Stop peft casting a plain LoRA layer's input to the adapter's fp32 dtype; returns how many layers.
+def keep_autocast_inputs(model) -> None:
+    """Stop peft casting a plain LoRA layer's input to the adapter's fp32 dtype.
 
     Under bf16 autocast the input of o_proj/down_proj-like layers is bf16: peft casts it to fp32 for
     ``lora_A``, whose autocast casts it straight back (two copies forward, two backward, per layer, ~8% of a
@@ -117,13 +117,10 @@ def keep_autocast_inputs(model) -> int:
     every activation of this fp32 model is fp32 already, so nothing needed the cast."""
     from peft.tuners.lora import LoraLayer
 
-    n = 0
     for m in model.modules():
         if (isinstance(m, LoraLayer) and not getattr(m, "lora_variant", None)
                 and all(isinstance(d, torch.nn.Identity) for d in m.lora_dropout.values())):
             m.cast_input_dtype_enabled = False
-            n += 1
-    return n
 
 
 def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
