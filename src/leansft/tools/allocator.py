@@ -17,12 +17,13 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Mapping
 
 TUNABLES = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=68719476736"
 COMMANDS = {"train"}
 
 
-def wanted(argv: list[str], environ=os.environ) -> bool:
+def wanted(argv: list[str], environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this command line should run under the malloc settings and does not yet."""
     command = next((a for a in argv if not a.startswith("-")), None)
     return (command in COMMANDS and sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
