@@ -88,6 +88,7 @@ def build(over: list[str]):
     from leansft.recipe.batches import Batcher, Position
     from leansft.recipe.builders import (autocast_dtype, build_model, model_location, pick_device, seed_everything,
                                          verified_strategy)
+    from leansft.core.tied_embedding import share_tied_gradient
     from leansft.recipe.throughput import ThroughputWindow
     from leansft.recipe.train import build_engine
 
@@ -100,7 +101,8 @@ def build(over: list[str]):
     cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
     batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), 0)
     amp = autocast_dtype(cfg.training.precision, device)
-    loss_module = LossModule(model, cfg.training.loss_chunk_size)
+    loss_module = LossModule(model, cfg.training.loss_chunk_size,
+                             tied_gradient=share_tied_gradient(model, device, 1))
     engine = build_engine(cfg, model, loss_module, 1000, device, amp, 1)
     return engine, batcher.steps(Position(), 1), ThroughputWindow(model, device, None, 1), amp
 

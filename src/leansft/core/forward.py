@@ -22,8 +22,10 @@ def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
     return out.last_hidden_state
 
 
-def loss_of(model, batch, hidden: torch.Tensor, chunk_size: int, backend: str = "chunked") -> tuple[torch.Tensor, int]:
-    """(summed loss, targets) with the output layer as the model applies it (bias, scale, soft-capping)."""
+def loss_of(model, batch, hidden: torch.Tensor, chunk_size: int, backend: str = "chunked",
+            tied_gradient: bool = False) -> tuple[torch.Tensor, int]:
+    """(summed loss, targets) with the output layer as the model applies it (bias, scale, soft-capping).
+    ``tied_gradient``: the output weight's gradient goes into its ``.grad`` directly (``core/tied_embedding.py``)."""
     head = read_output_head(model)
     weight, bias = head.weight(model), head.bias(model)
     if backend == "liger":
@@ -35,7 +37,8 @@ def loss_of(model, batch, hidden: torch.Tensor, chunk_size: int, backend: str = 
             raise ConfigError("training.loss_backend 'liger' has no output bias, logit scale or soft-capping, which "
                               "this model uses", field="training.loss_backend", hint="use loss_backend: chunked")
         return liger_loss(hidden, weight, batch.labels)
-    return chunked_loss(hidden, weight, batch.labels, chunk_size, head.softcap, bias, head.scale, batch.weights)
+    return chunked_loss(hidden, weight, batch.labels, chunk_size, head.softcap, bias, head.scale, batch.weights,
+                        weight_grad_in_place=tied_gradient)
 
 
 class LossModule(torch.nn.Module):
@@ -44,14 +47,16 @@ class LossModule(torch.nn.Module):
     ``forward(batch)`` returns the summed loss over the batch's target tokens (never a mean).
     """
 
-    def __init__(self, model, chunk_size: int = 1024, backend: str = "chunked", neftune=None) -> None:
+    def __init__(self, model, chunk_size: int = 1024, backend: str = "chunked", neftune=None,
+                 tied_gradient: bool = False) -> None:
         super().__init__()
         self.model = model
         self.chunk_size, self.backend = chunk_size, backend
         self.neftune = neftune  # NEFTune noise needs each token's example length (``core/neftune.py``)
+        self.tied_gradient = tied_gradient  # from ``core/tied_embedding.share_tied_gradient``
 
     def forward(self, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
         if self.neftune is not None:
             self.neftune.set_batch(batch)
         hidden = hidden_states(self.model, batch)
-        return loss_of(self.model, batch, hidden, self.chunk_size, self.backend)[0]
+        return loss_of(self.model, batch, hidden, self.chunk_size, self.backend, self.tied_gradient)[0]

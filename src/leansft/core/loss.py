@@ -17,6 +17,7 @@ import torch
 
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ConfigError
+from leansft.core.tied_embedding import accumulate_grad
 
 
 @contextlib.contextmanager
@@ -43,7 +44,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size: int, scale: float, softcap: float | None,
-                token_weights=None):
+                token_weights=None, weight_grad_in_place: bool = False):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
         # The first chunk writes the weight and bias gradients, later ones add to them: no zero-filled
@@ -100,6 +101,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             del logits
         ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
         ctx.has = (need_h, need_w, need_b)
+        ctx.param = weight if weight_grad_in_place and need_w else None  # ``core/tied_embedding.py``
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total
 
@@ -111,7 +113,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for need, dtype in zip(ctx.has, ctx.dtypes):
             g = saved.pop(0) if need else None
             grads.append(g.mul_(grad_out.to(g.dtype)).to(dtype) if need else None)
-        return (*grads, None, None, None, None, None)
+        if ctx.param is not None:  # into weight.grad directly; the tied embedding's sparse rows are added there
+            accumulate_grad(ctx.param, grads[1])
+            grads[1] = None
+        return (*grads, None, None, None, None, None, None)
 
 
 def select_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,10 +137,11 @@ def target_weights(labels: torch.Tensor, weights: torch.Tensor | None) -> torch.
 def chunked_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
     softcap: float | None = None, bias: torch.Tensor | None = None, scale: float = 1.0,
-    token_weights: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None, weight_grad_in_place: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """(summed cross-entropy over target tokens, number of target tokens). ``labels`` are unshifted;
-    ``token_weights`` (aligned with them) scale each target's loss and gradient.
+    ``token_weights`` (aligned with them) scale each target's loss and gradient. ``weight_grad_in_place``:
+    the weight's gradient goes into ``weight.grad`` directly, not through autograd (``core/tied_embedding.py``).
 
     Logits are ``softcap(scale * (hidden @ weight^T + bias))``, the output layer as the model applies it
     (``leansft.core.head``)."""
@@ -147,7 +153,7 @@ def chunked_loss(
         h, weight = h.detach(), weight.detach()
         bias = bias.detach() if bias is not None else None
     with _head_matmul_precision(hidden.device):  # the Function's forward computes the gradients too
-        loss = _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap, tw)
+        loss = _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap, tw, weight_grad_in_place)
     return loss, int(t.numel())
 
 

@@ -33,6 +33,7 @@ from leansft.core.loss import normalise
 from leansft.core.models import trainable_parameters
 from leansft.core.neftune import NEFTune
 from leansft.core.quant import merged_plain_model
+from leansft.core.tied_embedding import share_tied_gradient
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -135,7 +136,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     total_steps = count_steps(cfg, batcher)
     amp = autocast_dtype(cfg.training.precision, device)
     neftune = NEFTune(model, cfg.training.neftune_noise_alpha) if cfg.training.neftune_noise_alpha else None
-    loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune),
+    tied = cfg.training.loss_backend == "chunked" and share_tied_gradient(model, device, world)
+    loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune,
+                                           tied_gradient=tied),
                                 cfg.distributed.strategy, device, mixed_precision=amp is not None)
     sharded = world > 1 and cfg.distributed.strategy == "fsdp"
     engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
