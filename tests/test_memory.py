@@ -53,3 +53,13 @@ def test_estimate_against_measured_tiny_model():
     measured = tr.peak
     predicted = est["parts"]["activations"] + est["parts"]["logits"] + est["parts"]["gradients"]
     assert predicted / 2 < measured < predicted * 2, (measured, predicted)
+
+
+def test_tracker_counts_a_sparse_gradient():
+    """A tied embedding's sparse gradient (``core/tied_embedding.py``) is counted by its indices and values."""
+    from leansft.core.memtrack import TensorMemoryTracker
+
+    weight = torch.nn.Parameter(torch.randn(1000, 64))
+    with TensorMemoryTracker() as tr:
+        torch.nn.functional.embedding(torch.arange(10), weight, sparse=True).sum().backward()
+    assert weight.grad.is_sparse and 10 * 64 * 4 <= tr.peak < 1000 * 64 * 4

@@ -29,15 +29,22 @@ class TensorMemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-                if size == 0 or key in self._live:
-                    continue
-                self._live[key] = size
-                self.current += size
-                self.peak = max(self.peak, self.current)
-                weakref.finalize(storage, self._free, key)
+                self._count(t)
         return out
+
+    def _count(self, t: torch.Tensor) -> None:
+        if t.is_sparse:  # a sparse gradient (``core/tied_embedding.py``): its indices and values hold the memory
+            self._count(t._indices())
+            self._count(t._values())
+            return
+        storage = t.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self._live:
+            return
+        self._live[key] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
 
 
 def device_peak_memory(device: torch.device) -> int | None:
