@@ -10,11 +10,11 @@ warm-up steps, then profiles N steps with torch.profiler (CPU, and CUDA where pr
   the measured dense matmul peak of this machine in fp32 and bf16.
 
 Workloads: ``fair`` (the TRL comparison's ~7M-param Qwen2 with an 8k BPE, full fine-tuning, packed rows
-of 4,096 tokens) and ``smollm2`` (the demo's SmolLM2-135M-Instruct, LoRA r16 on all linear layers,
-packed rows of 1,024 tokens).
+of 4,096 tokens) and ``smollm2`` (the demo's SmolLM2-135M-Instruct, LoRA r16 on all linear layers or, with
+``--method full``, full fine-tuning at bench_trl's learning rate; packed rows of 1,024 tokens).
 
     .venv/bin/python benchmarks/profile_step.py --workload fair [--steps 5] [--precision fp32|bf16|auto]
-        [--compile false|true|auto] [--trace runs/profile/trace.json]
+        [--compile false|true|auto] [--method lora|full] [--trace runs/profile/trace.json]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def measured_peak(dtype: torch.dtype, n_max: int = 2048, budget_s: float = 2.0) 
     return 2 * n**3 / best
 
 
-def overrides(workload: str, precision: str, compile_: str) -> list[str]:
+def overrides(workload: str, precision: str, compile_: str, method: str = "lora") -> list[str]:
     common = [f"output_dir={WORK / 'run'}", f"data.cache_dir={WORK / 'cache'}", "batching.strategy=bfd",
               "training.learning_rate=1e-3", f"training.precision={precision}",
               *([f"training.compile={compile_}"] if compile_ != "false" else []),  # (runs on versions without it)
@@ -74,9 +74,12 @@ def overrides(workload: str, precision: str, compile_: str) -> list[str]:
         paths = bench_trl.setup_fair(2000)
         return common + [f"model={paths['model']}", f"data.sources=[{paths['data']}]", "data.max_length=4096",
                          "batching.tokens_per_micro_batch=4096"]
-    return common + [f"model={SMOLLM2}", f"data.sources=[{{path: {ALPACA}, format: alpaca}}]", "data.max_length=1024",
-                     "batching.tokens_per_micro_batch=1024", "training.method=lora", "training.lora.r=16",
-                     "training.lora.alpha=32", "training.lora.target_modules=all-linear"]
+    smol = common + [f"model={SMOLLM2}", f"data.sources=[{{path: {ALPACA}, format: alpaca}}]", "data.max_length=1024",
+                     "batching.tokens_per_micro_batch=1024"]
+    if method == "full":
+        return smol + ["training.method=full", "training.learning_rate=2e-4"]
+    return smol + ["training.method=lora", "training.lora.r=16", "training.lora.alpha=32",
+                   "training.lora.target_modules=all-linear"]
 
 
 def build(over: list[str]):
@@ -130,6 +133,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--compile", default="false")
+    ap.add_argument("--method", choices=["lora", "full"], default="lora", help="smollm2 only (fair: full)")
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
     args = ap.parse_args()
     reexec_with_malloc_settings(["train"])  # profile what `leansft train` runs under (LEANSFT_MALLOC=0: without)
@@ -137,7 +141,7 @@ def main() -> None:
     from leansft.recipe.train import train_step
 
     t_build = time.perf_counter()
-    engine, steps, window, amp = build(overrides(args.workload, args.precision, args.compile))
+    engine, steps, window, amp = build(overrides(args.workload, args.precision, args.compile, args.method))
     t_build = time.perf_counter() - t_build
     t0 = time.perf_counter()
     for i in range(args.warmup):  # first steps include compilation, allocator growth, lazy init
@@ -169,7 +173,7 @@ def main() -> None:
             kinds[kind_of(ev.key)] += (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / 1e6
     kinds["outside aten ops (Python, dispatch)"] = max(0.0, wall - sum(kinds.values()))
     per = lambda x: 1e3 * x / args.steps  # noqa: E731
-    print(f"{args.workload}: {args.steps} steps, precision {args.precision} ({amp or 'fp32'}), compile {args.compile}; "
+    print(f"{args.workload}{' ' + args.method if args.workload == 'smollm2' else ''}: {args.steps} steps, precision {args.precision} ({amp or 'fp32'}), compile {args.compile}; "
           f"build {t_build:.1f} s, {args.warmup} warm-up steps {t_warm:.1f} s")
     print(f"wall {per(wall):.0f} ms/step, {real / wall:,.0f} real tokens/s, {flops / wall / 1e9:.1f} useful GFLOP/s")
     print("\n| phase | ms/step | share |\n| --- | ---: | ---: |")
