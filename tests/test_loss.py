@@ -266,3 +266,23 @@ def test_weighted_accumulation_1_vs_4_same_update():
     n_targets = sum(int(np.count_nonzero(data.example(i)[1][1:] != IGNORE_INDEX)) for i in range(4))
     assert t1 == pytest.approx(t4) and t1 < n_targets
     assert max(float((a - b).abs().max()) for a, b in zip(g1, g4)) < 1e-6
+
+
+def test_target_positions_from_the_host_equal_the_boolean_mask_bitwise():
+    """The loss's targets gathered by positions found on the host (``batch.to``) give bitwise the loss and
+    gradients of the boolean-mask selection, with token weights."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 50, (2, 30), generator=g)
+    labels[0, :7] = IGNORE_INDEX
+    labels[1, 12:20] = IGNORE_INDEX
+    weights = torch.rand(2, 30, generator=g)
+    index = torch.nonzero(labels[:, 1:].reshape(-1) != IGNORE_INDEX).squeeze(1)
+    results = []
+    for idx in (None, index):
+        hidden = torch.randn(2, 30, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        weight = torch.randn(50, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        loss, n = chunked_loss(hidden, weight, labels, 8, token_weights=weights, target_index=idx)
+        loss.backward()
+        results.append((loss.detach(), n, hidden.grad, weight.grad))
+    (l0, n0, h0, w0), (l1, n1, h1, w1) = results
+    assert n0 == n1 == len(index) and torch.equal(l0, l1) and torch.equal(h0, h1) and torch.equal(w0, w1)

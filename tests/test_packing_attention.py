@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import ARCHS, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from leansft.core.attention import FLEX, VARLEN, packed_forward, sdpa_varlen_attention, use_packed_attention
 from leansft.core.collate import collate_packed, collate_padded, collate_rows, micro_batches
@@ -172,3 +173,51 @@ def test_mixing_backends_are_refused():
     q = torch.zeros(1, 4, 6, 16)
     with pytest.raises(ModelError, match="cu_seq_lens"):
         sdpa_varlen_attention(model.model.layers[0].self_attn, q, q, q, None)
+
+
+class _DataDependentOps(TorchDispatchMode):
+    """Records ops whose result size or value the host must read from the tensor: on CUDA each is a host sync."""
+
+    READS = {"aten.nonzero", "aten.masked_select", "aten._local_scalar_dense"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        boolean_index = name in ("aten.index", "aten.index_put") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+        if name in self.READS or boolean_index:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_packed_micro_batch_reads_nothing_back_from_the_device():
+    """Forward, loss and backward of a packed micro-batch that went through ``to(device)``: no op whose size or
+    value depends on the data (the targets' positions and the segments' lengths are found on the host by ``to``),
+    so on CUDA the host never waits inside the step until the loss and gradient norm are read."""
+    from leansft.core.forward import LossModule
+    from leansft.core.head import read_output_head
+
+    model = tiny_model("qwen2").train()
+    use_packed_attention(model, VARLEN)
+    read_output_head(model)  # measured once when the model is built
+    data = dataset([list(range(1, 30)), list(range(40, 52)), list(range(60, 81))])
+    batch = collate_packed(data, np.arange(3), np.zeros(3, np.int64), data.lengths).to("cpu")
+    assert batch.segment_sizes == [29, 12, 21] and len(batch.target_index) == batch.target_tokens
+    with _DataDependentOps() as ops:
+        LossModule(model)(batch).backward()
+    assert ops.seen == []
+
+
+def test_segment_lengths_come_from_the_host_for_that_boundaries_tensor_only():
+    from leansft.core.attention import remember_segment_sizes, segment_sizes
+
+    cu = torch.tensor([0, 5, 12], device="meta")  # a device the host cannot read: the lengths must be remembered
+    remember_segment_sizes(cu, [5, 7])
+    assert segment_sizes(cu) == [5, 7]
+    other = torch.tensor([0, 3, 12])
+    assert segment_sizes(other) == [3, 9]
+    remember_segment_sizes(other, None)  # a batch built without ``to``: read from the tensor
+    assert segment_sizes(other) == [3, 9]

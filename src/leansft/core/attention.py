@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,23 @@ def _segment_attention(q, k, v, scaling, dropout, softcap, window, sinks=None) -
     return torch.matmul(probs, v)
 
 
+# The lengths of the micro-batch now running, read on the host by ``PackedBatch.to`` and handed over by
+# ``packed_forward``: every layer needs them, and reading ``cu`` from a CUDA device would make the host wait for
+# it once per layer. Held for that very boundaries tensor only (identity and version), else read from it.
+_SIZES: dict = {"cu": None, "version": -1, "sizes": []}
+
+
+def remember_segment_sizes(cu: torch.Tensor, sizes: list[int] | None) -> None:
+    _SIZES.update(cu=weakref.ref(cu) if sizes is not None else None, version=cu._version, sizes=sizes or [])
+
+
+def segment_sizes(cu: torch.Tensor) -> list[int]:
+    ref = _SIZES["cu"]
+    if ref is not None and ref() is cu and _SIZES["version"] == cu._version:
+        return _SIZES["sizes"]
+    return torch.diff(cu).tolist()
+
+
 @torch.compiler.disable  # host-side boundaries: eager between compiled layer regions (``core/compile.py``)
 def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: q [B, H, T, D] -> out [B, T, H, D], per-example causal."""
@@ -102,7 +120,7 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=Non
     softcap = kwargs.get("softcap")
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux")
-    sizes = torch.diff(cu).tolist()
+    sizes = segment_sizes(cu)
     # torch.split, not slicing: the backward of a slice writes into a zeroed full-length gradient per
     # segment (O(segments x T) fills and adds); split's backward concatenates the segment gradients once.
     pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)))
@@ -148,7 +166,7 @@ def _flex_kernel(device: torch.device):
 
 def _block_mask(cu: torch.Tensor, total: int, window: int | None, device: torch.device):
     """Block-diagonal causal mask from the boundaries, built once per micro-batch (all layers share it)."""
-    key = (tuple(cu.tolist()), window, str(device))
+    key = (tuple(segment_sizes(cu)), window, str(device))
     if _FLEX_CACHE.get("mask_key") != key:
         doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), torch.diff(cu).to(device))
 
@@ -279,6 +297,7 @@ def packed_forward(model, batch, use_cache: bool = False) -> torch.Tensor:
         )
     if use_cache:
         raise ModelError("use_cache=True bypasses packed-sequence handling; packed forwards run without a cache")
+    remember_segment_sizes(batch.cu_seqlens, batch.segment_sizes)
     out = decoder_of(model)(
         input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
         cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,

@@ -21,6 +21,7 @@ from leansft.core.packing import PackPlan
 class _Targets:
     labels: torch.Tensor
     weights: torch.Tensor | None  # per-token loss weights (float32), None when every target weighs 1
+    target_index: torch.Tensor | None  # set by ``to``: see ``_target_index``
 
     @property
     def target_tokens(self) -> int:
@@ -34,6 +35,14 @@ class _Targets:
             return float(self.target_tokens)
         return float(self.weights[:, 1:][self.labels[:, 1:] != IGNORE_INDEX].double().sum())
 
+    def _target_index(self) -> torch.Tensor:
+        """Flat positions (after the shift) whose next-token label is set, found where the labels are now (the
+        host, before ``to``): the loss then gathers them on the device with no data-dependent shape there, i.e.
+        no host sync (``core/loss.select_targets``)."""
+        if self.target_index is not None:
+            return self.target_index
+        return torch.nonzero(self.labels[:, 1:].reshape(-1) != IGNORE_INDEX).squeeze(1)
+
 
 @dataclass
 class PackedBatch(_Targets):
@@ -45,6 +54,8 @@ class PackedBatch(_Targets):
     examples: np.ndarray  # example index of each piece
     starts: np.ndarray  # first token of each piece inside its example (0 unless split)
     weights: torch.Tensor | None = None  # [1, T]
+    target_index: torch.Tensor | None = None
+    segment_sizes: list[int] | None = None  # set by ``to``: the pieces' lengths, read on the host
 
     @property
     def real_tokens(self) -> int:
@@ -56,9 +67,11 @@ class PackedBatch(_Targets):
         return int((self.starts == 0).sum())
 
     def to(self, device) -> PackedBatch:
+        sizes = self.segment_sizes if self.segment_sizes is not None else torch.diff(self.cu_seqlens).tolist()
         return PackedBatch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
                            self.cu_seqlens.to(device), self.max_seqlen, self.examples, self.starts,
-                           None if self.weights is None else self.weights.to(device))
+                           None if self.weights is None else self.weights.to(device),
+                           target_index=self._target_index().to(device), segment_sizes=sizes)
 
 
 @dataclass
@@ -69,6 +82,7 @@ class PaddedBatch(_Targets):
     position_ids: torch.Tensor
     examples: np.ndarray
     weights: torch.Tensor | None = None  # [B, L]
+    target_index: torch.Tensor | None = None
 
     @property
     def real_tokens(self) -> int:
@@ -81,7 +95,8 @@ class PaddedBatch(_Targets):
     def to(self, device) -> PaddedBatch:
         return PaddedBatch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device),
                            self.position_ids.to(device), self.examples,
-                           None if self.weights is None else self.weights.to(device))
+                           None if self.weights is None else self.weights.to(device),
+                           target_index=self._target_index().to(device))
 
 
 def collate_packed(data: TokenizedDataset, example: np.ndarray, start: np.ndarray, length: np.ndarray) -> PackedBatch:

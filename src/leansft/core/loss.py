@@ -119,34 +119,43 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def select_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shift by one and keep only positions whose next-token label is set: ([N, H], [N])."""
+def select_targets(hidden: torch.Tensor, labels: torch.Tensor,
+                   index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shift by one and keep only positions whose next-token label is set: ([N, H], [N]). ``index``: those
+    positions, found on the host beforehand (a batch's ``target_index``); without it a boolean mask finds them,
+    whose data-dependent size makes the host wait for the device (CUDA)."""
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     t = labels[:, 1:].reshape(-1)
+    if index is not None:
+        return h.index_select(0, index), t.index_select(0, index)
     keep = t != IGNORE_INDEX
     return h[keep], t[keep]
 
 
-def target_weights(labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor | None:
+def target_weights(labels: torch.Tensor, weights: torch.Tensor | None,
+                   index: torch.Tensor | None = None) -> torch.Tensor | None:
     """The loss weights of the positions ``select_targets`` keeps, in its order (None: all 1)."""
     if weights is None:
         return None
-    return weights[:, 1:].reshape(-1)[labels[:, 1:].reshape(-1) != IGNORE_INDEX].float()
+    w = weights[:, 1:].reshape(-1)
+    return (w.index_select(0, index) if index is not None else w[labels[:, 1:].reshape(-1) != IGNORE_INDEX]).float()
 
 
 def chunked_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
     softcap: float | None = None, bias: torch.Tensor | None = None, scale: float = 1.0,
     token_weights: torch.Tensor | None = None, weight_grad_in_place: bool = False,
+    target_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """(summed cross-entropy over target tokens, number of target tokens). ``labels`` are unshifted;
     ``token_weights`` (aligned with them) scale each target's loss and gradient. ``weight_grad_in_place``:
     the weight's gradient goes into ``weight.grad`` directly, not through autograd (``core/tied_embedding.py``).
+    ``target_index``: the target positions found on the host (``select_targets``).
 
     Logits are ``softcap(scale * (hidden @ weight^T + bias))``, the output layer as the model applies it
     (``leansft.core.head``)."""
-    h, t = select_targets(hidden, labels)
-    tw = target_weights(labels, token_weights)
+    h, t = select_targets(hidden, labels, target_index)
+    tw = target_weights(labels, token_weights, target_index)
     if t.numel() == 0:
         return hidden.sum() * 0.0, 0
     if not torch.is_grad_enabled():  # evaluation: no gradient buffers (the weight may still require grad)
@@ -173,7 +182,7 @@ def full_logits_loss(hidden, weight, labels, softcap: float | None = None, bias=
     return torch.nn.functional.cross_entropy(logits, t, reduction="sum"), int(t.numel())
 
 
-def liger_loss(hidden, weight, labels) -> tuple[torch.Tensor, int]:
+def liger_loss(hidden, weight, labels, target_index: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Liger Kernel's fused linear cross-entropy (CUDA), summed."""
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -182,7 +191,7 @@ def liger_loss(hidden, weight, labels) -> tuple[torch.Tensor, int]:
                           field="training.loss_backend") from None
     if not hidden.is_cuda:
         raise ConfigError("training.loss_backend 'liger' runs on CUDA only", field="training.loss_backend")
-    h, t = select_targets(hidden, labels)
+    h, t = select_targets(hidden, labels, target_index)
     return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, h, t), int(t.numel())
 
 
