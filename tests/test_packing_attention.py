@@ -205,7 +205,7 @@ def test_a_packed_micro_batch_reads_nothing_back_from_the_device():
     read_output_head(model)  # measured once when the model is built
     data = dataset([list(range(1, 30)), list(range(40, 52)), list(range(60, 81))])
     batch = collate_packed(data, np.arange(3), np.zeros(3, np.int64), data.lengths).to("cpu")
-    assert batch.segment_sizes == [29, 12, 21] and len(batch.target_index) == batch.target_tokens
+    assert batch.host_segment_sizes() == [29, 12, 21] and len(batch.host_target_index()) == batch.target_tokens
     with _DataDependentOps() as ops:
         LossModule(model)(batch).backward()
     assert ops.seen == []
@@ -221,3 +221,17 @@ def test_segment_lengths_come_from_the_host_for_that_boundaries_tensor_only():
     assert segment_sizes(other) == [3, 9]
     remember_segment_sizes(other, None)  # a batch built without ``to``: read from the tensor
     assert segment_sizes(other) == [3, 9]
+
+
+def test_what_to_read_on_the_host_holds_for_those_very_tensors_only():
+    """Labels or boundaries put in place of the moved ones, or edited in place, are read again (a stale target
+    index would train the wrong tokens)."""
+    import dataclasses
+
+    data = dataset([list(range(1, 30)), list(range(40, 52))])
+    batch = collate_packed(data, np.arange(2), np.zeros(2, np.int64), data.lengths).to("cpu")
+    assert batch.host_target_index() is not None and batch.host_segment_sizes() == [29, 12]
+    other = dataclasses.replace(batch, labels=batch.labels.clone(), cu_seqlens=batch.cu_seqlens.clone())
+    assert other.host_target_index() is None and other.host_segment_sizes() is None
+    batch.labels[0, :5] = IGNORE_INDEX
+    assert batch.host_target_index() is None and batch.to("cpu").host_target_index() is not None

@@ -297,7 +297,7 @@ def packed_forward(model, batch, use_cache: bool = False) -> torch.Tensor:
         )
     if use_cache:
         raise ModelError("use_cache=True bypasses packed-sequence handling; packed forwards run without a cache")
-    remember_segment_sizes(batch.cu_seqlens, batch.segment_sizes)
+    remember_segment_sizes(batch.cu_seqlens, batch.host_segment_sizes())
     out = decoder_of(model)(
         input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
         cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,

@@ -8,7 +8,9 @@ Padded (sorted/padded strategies): ordinary [B, L] tensors with an attention mas
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,10 +20,26 @@ from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.packing import PackPlan
 
 
+@dataclass(frozen=True)
+class HostRead:
+    """A value read on the host from a tensor when the batch moved to the device (``to``), valid only for that
+    very tensor, unchanged: a tensor put in its place or edited in place makes readers read from it again."""
+    value: Any
+    source: weakref.ref
+    version: int
+
+    @staticmethod
+    def of(value, tensor: torch.Tensor) -> HostRead:
+        return HostRead(value, weakref.ref(tensor), tensor._version)
+
+    def get(self, tensor: torch.Tensor):
+        return self.value if self.source() is tensor and tensor._version == self.version else None
+
+
 class _Targets:
     labels: torch.Tensor
     weights: torch.Tensor | None  # per-token loss weights (float32), None when every target weighs 1
-    target_index: torch.Tensor | None  # set by ``to``: see ``_target_index``
+    target_index: HostRead | None  # set by ``to``: see ``host_target_index``
 
     @property
     def target_tokens(self) -> int:
@@ -35,13 +53,17 @@ class _Targets:
             return float(self.target_tokens)
         return float(self.weights[:, 1:][self.labels[:, 1:] != IGNORE_INDEX].double().sum())
 
-    def _target_index(self) -> torch.Tensor:
-        """Flat positions (after the shift) whose next-token label is set, found where the labels are now (the
-        host, before ``to``): the loss then gathers them on the device with no data-dependent shape there, i.e.
-        no host sync (``core/loss.select_targets``)."""
-        if self.target_index is not None:
-            return self.target_index
-        return torch.nonzero(self.labels[:, 1:].reshape(-1) != IGNORE_INDEX).squeeze(1)
+    def host_target_index(self) -> torch.Tensor | None:
+        """Flat positions (after the shift) whose next-token label is set, found on the host by ``to``: the loss
+        gathers them on the device with no data-dependent shape there, i.e. no host sync (``loss.select_targets``).
+        None where the labels are not those it was found from."""
+        return self.target_index.get(self.labels) if self.target_index is not None else None
+
+    def _moved_targets(self, labels: torch.Tensor, device) -> HostRead:
+        index = self.host_target_index()
+        if index is None:
+            index = torch.nonzero(self.labels[:, 1:].reshape(-1) != IGNORE_INDEX).squeeze(1)
+        return HostRead.of(index.to(device), labels)
 
 
 @dataclass
@@ -54,8 +76,8 @@ class PackedBatch(_Targets):
     examples: np.ndarray  # example index of each piece
     starts: np.ndarray  # first token of each piece inside its example (0 unless split)
     weights: torch.Tensor | None = None  # [1, T]
-    target_index: torch.Tensor | None = None
-    segment_sizes: list[int] | None = None  # set by ``to``: the pieces' lengths, read on the host
+    target_index: HostRead | None = None
+    segment_sizes: HostRead | None = None  # set by ``to``: the pieces' lengths, read on the host from cu_seqlens
 
     @property
     def real_tokens(self) -> int:
@@ -67,11 +89,16 @@ class PackedBatch(_Targets):
         return int((self.starts == 0).sum())
 
     def to(self, device) -> PackedBatch:
-        sizes = self.segment_sizes if self.segment_sizes is not None else torch.diff(self.cu_seqlens).tolist()
-        return PackedBatch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
-                           self.cu_seqlens.to(device), self.max_seqlen, self.examples, self.starts,
-                           None if self.weights is None else self.weights.to(device),
-                           target_index=self._target_index().to(device), segment_sizes=sizes)
+        sizes = self.host_segment_sizes()
+        sizes = torch.diff(self.cu_seqlens).tolist() if sizes is None else sizes
+        labels, cu = self.labels.to(device), self.cu_seqlens.to(device)
+        return PackedBatch(self.input_ids.to(device), labels, self.position_ids.to(device), cu, self.max_seqlen,
+                           self.examples, self.starts, None if self.weights is None else self.weights.to(device),
+                           target_index=self._moved_targets(labels, device), segment_sizes=HostRead.of(sizes, cu))
+
+    def host_segment_sizes(self) -> list[int] | None:
+        """The pieces' lengths read on the host by ``to`` (None where ``cu_seqlens`` is not what they were read from)."""
+        return self.segment_sizes.get(self.cu_seqlens) if self.segment_sizes is not None else None
 
 
 @dataclass
@@ -82,7 +109,7 @@ class PaddedBatch(_Targets):
     position_ids: torch.Tensor
     examples: np.ndarray
     weights: torch.Tensor | None = None  # [B, L]
-    target_index: torch.Tensor | None = None
+    target_index: HostRead | None = None
 
     @property
     def real_tokens(self) -> int:
@@ -93,10 +120,11 @@ class PaddedBatch(_Targets):
         return len(self.examples)
 
     def to(self, device) -> PaddedBatch:
-        return PaddedBatch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device),
+        labels = self.labels.to(device)
+        return PaddedBatch(self.input_ids.to(device), labels, self.attention_mask.to(device),
                            self.position_ids.to(device), self.examples,
                            None if self.weights is None else self.weights.to(device),
-                           target_index=self._target_index().to(device))
+                           target_index=self._moved_targets(labels, device))
 
 
 def collate_packed(data: TokenizedDataset, example: np.ndarray, start: np.ndarray, length: np.ndarray) -> PackedBatch:

@@ -122,7 +122,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 def select_targets(hidden: torch.Tensor, labels: torch.Tensor,
                    index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Shift by one and keep only positions whose next-token label is set: ([N, H], [N]). ``index``: those
-    positions, found on the host beforehand (a batch's ``target_index``); without it a boolean mask finds them,
+    positions, found on the host beforehand (``batch.host_target_index()``); without it a boolean mask finds them,
     whose data-dependent size makes the host wait for the device (CUDA)."""
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     t = labels[:, 1:].reshape(-1)
