@@ -213,13 +213,14 @@ def test_a_packed_micro_batch_reads_nothing_back_from_the_device():
 
 def test_segment_lengths_come_from_the_host_for_that_boundaries_tensor_only():
     from leansft.core.attention import remember_segment_sizes, segment_sizes
+    from leansft.core.collate import HostRead
 
-    cu = torch.tensor([0, 5, 12], device="meta")  # a device the host cannot read: the lengths must be remembered
-    remember_segment_sizes(cu, [5, 7])
+    cu = torch.tensor([0, 5, 12], device="meta")  # a device the host cannot read: the lengths must be handed over
+    remember_segment_sizes(HostRead.of([5, 7], cu))
     assert segment_sizes(cu) == [5, 7]
     other = torch.tensor([0, 3, 12])
-    assert segment_sizes(other) == [3, 9]
-    remember_segment_sizes(other, None)  # a batch built without ``to``: read from the tensor
+    assert segment_sizes(other) == [3, 9]  # another tensor: read from it
+    remember_segment_sizes(None)  # a batch built without ``to``
     assert segment_sizes(other) == [3, 9]
 
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
 
+from leansft.core.collate import HostRead
 from leansft.core.errors import ConfigError, ModelError
 
 log = logging.getLogger("leansft")
@@ -89,20 +89,19 @@ def _segment_attention(q, k, v, scaling, dropout, softcap, window, sinks=None) -
 
 
 # The lengths of the micro-batch now running, read on the host by ``PackedBatch.to`` and handed over by
-# ``packed_forward``: every layer needs them, and reading ``cu`` from a CUDA device would make the host wait for
-# it once per layer. Held for that very boundaries tensor only (identity and version), else read from it.
-_SIZES: dict = {"cu": None, "version": -1, "sizes": []}
+# ``packed_forward``: every layer needs them, and reading ``cu`` back from a CUDA device would make the host wait
+# for it once per layer. They serve that very boundaries tensor only (``collate.HostRead``), else it is read.
+_RUNNING: dict[str, HostRead | None] = {"sizes": None}
 
 
-def remember_segment_sizes(cu: torch.Tensor, sizes: list[int] | None) -> None:
-    _SIZES.update(cu=weakref.ref(cu) if sizes is not None else None, version=cu._version, sizes=sizes or [])
+def remember_segment_sizes(sizes: HostRead | None) -> None:
+    _RUNNING["sizes"] = sizes
 
 
 def segment_sizes(cu: torch.Tensor) -> list[int]:
-    ref = _SIZES["cu"]
-    if ref is not None and ref() is cu and _SIZES["version"] == cu._version:
-        return _SIZES["sizes"]
-    return torch.diff(cu).tolist()
+    held = _RUNNING["sizes"]
+    sizes = held.get(cu) if held is not None else None
+    return sizes if sizes is not None else torch.diff(cu).tolist()
 
 
 @torch.compiler.disable  # host-side boundaries: eager between compiled layer regions (``core/compile.py``)
@@ -297,7 +296,7 @@ def packed_forward(model, batch, use_cache: bool = False) -> torch.Tensor:
         )
     if use_cache:
         raise ModelError("use_cache=True bypasses packed-sequence handling; packed forwards run without a cache")
-    remember_segment_sizes(batch.cu_seqlens, batch.host_segment_sizes())
+    remember_segment_sizes(batch.segment_sizes)
     out = decoder_of(model)(
         input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
         cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,

@@ -2,11 +2,12 @@
 
 When the input embedding and the output layer share one weight (SmolLM2, Qwen2.5 up to 3B, Gemma, ...), autograd
 by default makes the embedding's gradient as a zero-filled [vocab, hidden] tensor with the batch's few thousand
-rows scattered into it, then adds it to the output layer's gradient out of place: three full passes over the
-largest matrix of the model every micro-batch, for rows that are almost all zero (SmolLM2: 113 MB each, ~8% of a
-full fine-tuning step on the CPU here). Instead the embedding's gradient stays sparse (its rows only), the chunked
-loss writes the output layer's gradient straight into ``weight.grad``, and autograd adds the embedding's rows into
-it in place. Same sum, in another order of fp32 additions.
+rows scattered into it, then adds it to the output layer's gradient out of place: a fill and an add over the
+largest matrix of the model every micro-batch, for rows that are almost all zero (SmolLM2: 113 MB; ~6% of a full
+fine-tuning step on the CPU here). Instead the embedding's gradient stays sparse (its rows only), the chunked loss
+writes the output layer's gradient straight into ``weight.grad`` (autograd never adds into a gradient returned by
+a Python autograd Function in place: it would copy it), and autograd adds the embedding's rows into it in place.
+Same sum, in another order of fp32 additions.
 
 Only where it was measured and can be relied on: the CPU (on CUDA, adding a sparse gradient into a dense one uses
 atomics, not checked here for determinism) and one process (DDP's and FSDP's gradient hooks expect a dense
