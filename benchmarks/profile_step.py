@@ -88,10 +88,10 @@ def build(over: list[str]):
     from leansft.core.data.prepare import prepare_data
     from leansft.core.data.tokenizer import pad_id
     from leansft.core.forward import LossModule
+    from leansft.core.tied_embedding import share_tied_gradient
     from leansft.recipe.batches import Batcher, Position
     from leansft.recipe.builders import (autocast_dtype, build_model, model_location, pick_device, seed_everything,
                                          verified_strategy)
-    from leansft.core.tied_embedding import share_tied_gradient
     from leansft.recipe.throughput import ThroughputWindow
     from leansft.recipe.train import build_engine
 
@@ -173,7 +173,8 @@ def main() -> None:
             kinds[kind_of(ev.key)] += (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / 1e6
     kinds["outside aten ops (Python, dispatch)"] = max(0.0, wall - sum(kinds.values()))
     per = lambda x: 1e3 * x / args.steps  # noqa: E731
-    print(f"{args.workload}{' ' + args.method if args.workload == 'smollm2' else ''}: {args.steps} steps, precision {args.precision} ({amp or 'fp32'}), compile {args.compile}; "
+    name = f"{args.workload} {args.method}" if args.workload == "smollm2" else args.workload
+    print(f"{name}: {args.steps} steps, precision {args.precision} ({amp or 'fp32'}), compile {args.compile}; "
           f"build {t_build:.1f} s, {args.warmup} warm-up steps {t_warm:.1f} s")
     print(f"wall {per(wall):.0f} ms/step, {real / wall:,.0f} real tokens/s, {flops / wall / 1e9:.1f} useful GFLOP/s")
     print("\n| phase | ms/step | share |\n| --- | ---: | ---: |")

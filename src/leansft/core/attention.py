@@ -167,7 +167,8 @@ def _block_mask(cu: torch.Tensor, total: int, window: int | None, device: torch.
     """Block-diagonal causal mask from the boundaries, built once per micro-batch (all layers share it)."""
     key = (tuple(segment_sizes(cu)), window, str(device))
     if _FLEX_CACHE.get("mask_key") != key:
-        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), torch.diff(cu).to(device))
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), torch.diff(cu).to(device),
+                                      output_size=total)  # its size given: the host need not read it back
 
         def mask_mod(b, h, q, k):
             keep = (doc[q] == doc[k]) & (q >= k)

@@ -97,7 +97,8 @@ class PackedBatch(_Targets):
                            target_index=self._moved_targets(labels, device), segment_sizes=HostRead.of(sizes, cu))
 
     def host_segment_sizes(self) -> list[int] | None:
-        """The pieces' lengths read on the host by ``to`` (None where ``cu_seqlens`` is not what they were read from)."""
+        """The pieces' lengths read on the host by ``to`` (None where ``cu_seqlens`` is not what they were read
+        from)."""
         return self.segment_sizes.get(self.cu_seqlens) if self.segment_sizes is not None else None
 
 
