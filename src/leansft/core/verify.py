@@ -28,6 +28,7 @@ from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ModelError
 from leansft.core.forward import hidden_states, loss_of
+from leansft.core.fused_layers import plain_layers
 from leansft.core.head import OutputHead, read_output_head
 
 SEGMENTS = (24, 16)  # tokens of the two probe segments
@@ -105,7 +106,7 @@ def check_vocabulary(model, data: TokenizedDataset) -> None:
 def _reference(model, segments: list[np.ndarray], device) -> list[tuple[torch.Tensor, float]]:
     """(logits, summed loss) of each segment alone through the plain model and its own loss."""
     out = []
-    with plain_attention(model), eager():  # the plain model: compiled layers (if any) run eagerly
+    with plain_attention(model), eager(), plain_layers():  # the plain model: compiled/fused layers run as shipped
         for seg in segments:
             ids = torch.as_tensor(seg, device=device)[None]
             res = model(input_ids=ids, labels=ids, use_cache=False)

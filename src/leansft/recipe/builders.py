@@ -17,6 +17,7 @@ import torch
 from leansft.core import parallel
 from leansft.core.attention import choose_backend, use_packed_attention, use_plain_attention
 from leansft.core.compile import compile_layers, wants_compile
+from leansft.core.fused_layers import fuse_layers
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
@@ -75,7 +76,7 @@ def model_location(cfg: RunConfig) -> str:
 
 def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: str | None = None):
     """The model in fp32 on ``device``, with gradient checkpointing, LoRA, compiled layers (``training.compile``)
-    and the attention backend set.
+    or, on the CPU, fused ones (``training.fused_layers``), and the attention backend set.
     Returns (model, attention backend)."""
     t = cfg.training
     if t.method == "qlora":  # 4-bit base, loaded onto the device (bitsandbytes quantises as it places weights)
@@ -98,6 +99,8 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
     read_output_head(model)  # measured once here, on the plain model, before any wrapping
     if wants_compile(t.compile, device, cfg.distributed.strategy, parallel.world_size()):
         compile_layers(model, fall_back=t.compile == "auto")
+    elif t.fused_layers and device.type == "cpu":
+        fuse_layers(model)
     if not packed:  # padded batches: the model's own, padding-aware attention
         return model, model.config._attn_implementation
     backend = choose_backend(device, cfg.training.attention,

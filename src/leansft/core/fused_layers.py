@@ -1,0 +1,228 @@
+"""Fewer memory passes for the layers most decoder models share: RMSNorm, the rotary embedding, plain LoRA.
+
+Why: eager PyTorch runs a layer op by op, and on the CPU every elementwise op is a pass over
+[tokens, width] memory (a write to memory not touched for a while is dear on the VMs measured). Llama's
+RMSNorm is ~3 passes forward and ~9 backward under autograd, the rotary embedding's ``rotate_half`` a
+negation, a concatenation and three more ops, and peft's LoRA adds ``base + B(A(x)) * scale`` as three
+full-width tensors forward and as many backward. Here each is one autograd Function with the backward
+written out: the same values up to fp32 rounding (tests compare against the plain modules), 15% of a
+SmolLM2 LoRA step and 4% of the small Qwen2 on the dev CPU (benchmarks/README.md).
+
+Only code known to compute exactly this is replaced: an RMSNorm whose ``forward`` is Llama's, an
+``apply_rotary_pos_emb``/``rotate_half`` pair that is Llama's (compared by syntax tree, so the many copies
+transformers ships match and Gemma's ``1 + weight`` norm or a partial rotary do not), and a peft
+``lora.Linear`` over an ``nn.Linear`` with one adapter, no dropout, no DoRA-like variant and no bias on B.
+Anything else at call time (an fp16/bf16 weight, a rotary table that takes gradients, adapters merged or
+disabled, several active) runs the original code, as does anything torch.compile traces (the rotary
+function is replaced module-wide, and compiled layers fuse these ops anyway). ``plain_layers()`` runs the
+original code in a block: verify-before-train's reference is the plain model.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+import sys
+import textwrap
+import types
+
+import torch
+
+log = logging.getLogger("leansft")
+
+_PLAIN = contextvars.ContextVar("leansft_plain_layers", default=False)
+
+
+@contextlib.contextmanager
+def plain_layers():
+    """The original (Hugging Face / peft) code of every replaced layer for the duration of the block."""
+    token = _PLAIN.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN.reset(token)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` in fp32; forward as Llama's ops, backward in closed form:
+    dx = r * (g w - xhat * mean(g w xhat)), dw = sum over tokens of g xhat."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        xhat = x * r
+        ctx.save_for_backward(xhat, r, weight)
+        return weight * xhat
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, r, weight = ctx.saved_tensors
+        buf = g * xhat
+        gw = buf.sum(tuple(range(g.dim() - 1))) if ctx.needs_input_grad[1] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gxhat = g * weight
+            dot = torch.mul(gxhat, xhat, out=buf).mean(-1, keepdim=True)
+            gx = gxhat.addcmul_(xhat, dot, value=-1).mul_(r)
+        return gx, gw, None
+
+
+class _Rotary(torch.autograd.Function):
+    """``q * cos + rotate_half(q) * sin`` with rotate_half(q) = [-q2, q1]: the product with cos, then each
+    half's rotated term added in place; backward g * cos + [(g sin)2, -(g sin)1] the same way."""
+
+    @staticmethod
+    def forward(ctx, q, cos, sin):
+        h = q.shape[-1] // 2
+        out = q * cos
+        out[..., :h].addcmul_(q[..., h:], sin[..., :h], value=-1)
+        out[..., h:].addcmul_(q[..., :h], sin[..., h:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        h = g.shape[-1] // 2
+        gq = g * cos
+        gq[..., :h].addcmul_(g[..., h:], sin[..., h:])
+        gq[..., h:].addcmul_(g[..., :h], sin[..., :h], value=-1)
+        return gq, None, None
+
+
+class _LoraLinear(torch.autograd.Function):
+    """``x W^T + bias + scale * (x A^T) B^T`` in ``dtype`` (autocast's, else the input's): the adapter's
+    product added into the base output by one addmm; backward three small and two large matmuls."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, dtype: torch.dtype):
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        w, a, b = weight.to(dtype), lora_a.to(dtype), lora_b.to(dtype)
+        xa = torch.mm(x2, a.t())
+        out = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
+        out.addmm_(xa, b.t(), alpha=scale)
+        ctx.save_for_backward(x2, xa, w, a, b)
+        ctx.scale, ctx.x_shape = scale, x.shape
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, xa, w, a, b = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1]).to(x2.dtype)
+        g_xa = torch.mm(g2, b).mul_(ctx.scale)
+        ga = torch.mm(g_xa.t(), x2) if ctx.needs_input_grad[3] else None
+        gb = torch.mm(g2.t(), xa).mul_(ctx.scale) if ctx.needs_input_grad[4] else None
+        gx = torch.mm(g2, w).addmm_(g_xa, a).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        return gx, None, None, ga, gb, None, None
+
+
+def _as_shipped() -> bool:
+    """Run the original code: inside ``plain_layers()``, or while torch.compile traces (it fuses these itself)."""
+    return _PLAIN.get() or torch.compiler.is_compiling()
+
+
+def _rms_norm_forward(module, x):
+    w = module.weight
+    if _as_shipped() or x.dtype != torch.float32 or w.dtype != torch.float32:
+        return type(module).forward(module, x)
+    return _RMSNorm.apply(x, w, module.variance_epsilon)
+
+
+def _rotary(original, q, k, cos, sin, unsqueeze_dim=1):
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    if (_as_shipped() or c.requires_grad or s.requires_grad or q.shape[-1] % 2 or c.shape != s.shape
+            or torch.broadcast_shapes(q.shape, c.shape) != q.shape
+            or torch.broadcast_shapes(k.shape, c.shape) != k.shape):
+        return original(q, k, cos, sin, unsqueeze_dim)
+    return _Rotary.apply(q, c, s), _Rotary.apply(k, c, s)
+
+
+def _lora_forward(module, x, *args, **kwargs):
+    name = module.active_adapters[0] if len(module.active_adapters) == 1 else None
+    if (_as_shipped() or args or kwargs or name is None or module.merged or module.disable_adapters
+            or name not in module.lora_A or name in module.lora_variant):
+        return type(module).forward(module, x, *args, **kwargs)
+    base, device = module.base_layer, x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return _LoraLinear.apply(x, base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight,
+                             module.scaling[name], dtype)
+
+
+@functools.cache
+def _shape(fn) -> str:
+    """The syntax tree of ``fn`` without its name, decorators and docstring: equal for textual copies."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return ""
+    if not isinstance(tree, ast.FunctionDef):
+        return ""
+    tree.name, tree.decorator_list = "_", []
+    if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(getattr(tree.body[0], "value", None),
+                                                                       ast.Constant):
+        tree.body = tree.body[1:]
+    return ast.dump(tree)
+
+
+def _llama():
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama
+
+
+def is_llama_rms_norm(module) -> bool:
+    forward = getattr(type(module), "forward", None)
+    return (isinstance(getattr(module, "weight", None), torch.Tensor) and hasattr(module, "variance_epsilon")
+            and forward is not None and _shape(forward) == _shape(_llama().LlamaRMSNorm.forward))
+
+
+def _unfused(fn):
+    return fn.args[0] if isinstance(fn, functools.partial) and fn.func is _rotary else fn
+
+
+def has_llama_rotary(modeling: types.ModuleType) -> bool:
+    apply, rotate = getattr(modeling, "apply_rotary_pos_emb", None), getattr(modeling, "rotate_half", None)
+    llama = _llama()
+    return (callable(apply) and callable(rotate)
+            and _shape(_unfused(apply)) == _shape(_unfused(llama.apply_rotary_pos_emb))
+            and _shape(rotate) == _shape(llama.rotate_half))
+
+
+def is_plain_lora_linear(module) -> bool:
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        return False
+    return (type(module) is LoraLinear and type(module.base_layer) is torch.nn.Linear
+            and not getattr(module, "fan_in_fan_out", False)
+            and all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values())
+            and all(b.bias is None for b in module.lora_B.values()) and not module.lora_variant)
+
+
+def fuse_layers(model) -> dict[str, int]:
+    """Replace the recognised layers of ``model`` in place (parameters and state-dict keys unchanged);
+    returns how many of each kind. The rotary function is replaced in its transformers module, for every
+    model of that architecture in the process (the replacement computes the same values)."""
+    counts = {"rms_norm": 0, "rotary": 0, "lora_linear": 0}
+    modelings = set()
+    for m in model.modules():
+        modelings.add(type(m).__module__)
+        if is_llama_rms_norm(m):
+            m.forward = types.MethodType(_rms_norm_forward, m)
+            counts["rms_norm"] += 1
+        elif is_plain_lora_linear(m):
+            m.forward = types.MethodType(_lora_forward, m)
+            counts["lora_linear"] += 1
+    for name in sorted(modelings):
+        modeling = sys.modules.get(name)
+        if modeling is None or not name.startswith("transformers.models."):
+            continue
+        if has_llama_rotary(modeling):
+            modeling.apply_rotary_pos_emb = functools.partial(_rotary, _unfused(modeling.apply_rotary_pos_emb))
+            counts["rotary"] += 1
+    log.info("fused layers: %s", ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "none recognised")
+    return counts

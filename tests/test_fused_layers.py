@@ -1,0 +1,104 @@
+"""Fused RMSNorm, rotary embedding and LoRA linear (core/fused_layers.py): the plain modules' values to fp32
+rounding, only where the code is recognised, the original code wherever a call does not fit."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import losses, run_config, tiny_model
+
+from leansft.core.config import LoraConfig
+from leansft.core.fused_layers import fuse_layers, plain_layers
+from leansft.core.models import apply_lora
+
+
+def _model(arch: str, lora: LoraConfig | None = None):
+    model = tiny_model(arch)
+    if lora is not None:
+        model = apply_lora(model, lora)
+        with torch.no_grad():  # B starts at zero: give the adapters something to add
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    return model.train()
+
+
+def _loss_and_grads(model, ids, bf16: bool = False):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+
+
+IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+LORA = LoraConfig(r=4, alpha=8, target_modules="all-linear")
+
+
+@pytest.mark.parametrize("arch,lora", [("llama", None), ("qwen2", LORA), ("qwen3", LORA)])
+def test_fused_layers_give_the_plain_loss_and_gradients(arch, lora):
+    model = _model(arch, lora)
+    counts = fuse_layers(model)
+    assert counts["rms_norm"] > 0 and counts["rotary"] == 1 and (counts["lora_linear"] > 0) == (lora is not None)
+    loss, grads = _loss_and_grads(model, IDS)
+    with plain_layers():
+        ref_loss, ref_grads = _loss_and_grads(model, IDS)
+    assert loss == pytest.approx(float(ref_loss), rel=1e-6)
+    assert float((grads - ref_grads).norm() / ref_grads.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("lora", [None, LORA])
+def test_fused_layers_under_bf16_autocast_are_as_close_to_fp32_as_the_plain_ones(lora):
+    """Under CPU bf16 autocast the fused LoRA rounds once where peft rounds thrice: not bitwise peft's, but as
+    close to the fp32 gradients."""
+    model = _model("llama", lora)
+    fuse_layers(model)
+    with plain_layers():
+        _, exact = _loss_and_grads(model, IDS)
+        plain_loss, plain = _loss_and_grads(model, IDS, bf16=True)
+    loss, fused = _loss_and_grads(model, IDS, bf16=True)
+    assert loss == pytest.approx(float(plain_loss), rel=1e-3)
+    plain_err, fused_err = (float((g - exact).norm() / exact.norm()) for g in (plain, fused))
+    assert fused_err < 1.5 * plain_err + 1e-4, (fused_err, plain_err)
+
+
+def test_only_recognised_code_is_replaced():
+    gemma = _model("gemma", LoraConfig(r=4, target_modules="all-linear", dropout=0.1))
+    assert fuse_layers(gemma)["rms_norm"] == 0  # Gemma's norm scales by (1 + weight): not Llama's
+    assert fuse_layers(gemma)["lora_linear"] == 0  # dropout on the adapter's input
+    dora = _model("llama", LoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    assert fuse_layers(dora)["lora_linear"] == 0
+
+
+def test_calls_that_do_not_fit_run_the_original_code():
+    model = _model("llama", LORA)
+    fuse_layers(model)
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        x = torch.randn(3, layer.in_features)
+        with model.disable_adapter():  # adapters disabled: the base layer's output, exactly
+            assert torch.equal(layer(x), layer.base_layer(x))
+        norm = model.base_model.model.model.norm
+        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        with plain_layers():
+            ref = norm(x)
+        assert torch.equal(norm(x), ref)  # a bf16 input: Llama's own code
+
+
+def test_fused_run_trains_the_plain_runs_losses(tmp_path, tiny_run_assets, caplog):
+    """A packed LoRA run with fused layers (verify-before-train exact against the plain model) trains the
+    unfused run's losses within fp32 rounding."""
+    from leansft.recipe.train import train
+
+    runs = {}
+    for setting in ("false", "true"):
+        cfg = run_config(tmp_path / setting, tiny_run_assets, f"training.fused_layers={setting}",
+                         "training.method=lora", "training.lora.init=gaussian", "training.max_steps=6")
+        with caplog.at_level(logging.INFO, logger="leansft"):
+            train(cfg)
+        runs[setting] = losses(cfg.output_dir)
+    assert "fused layers: " in caplog.text and "lora_linear" in caplog.text and "packed: exact" in caplog.text
+    for step, loss in runs["false"].items():
+        assert runs["true"][step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
