@@ -62,10 +62,11 @@ def measured_peak(dtype: torch.dtype, n_max: int = 2048, budget_s: float = 2.0) 
     return 2 * n**3 / best
 
 
-def overrides(workload: str, precision: str, compile_: str, method: str = "lora") -> list[str]:
+def overrides(workload: str, precision: str, compile_: str, method: str = "lora", fused: str = "true") -> list[str]:
     common = [f"output_dir={WORK / 'run'}", f"data.cache_dir={WORK / 'cache'}", "batching.strategy=bfd",
               "training.learning_rate=1e-3", f"training.precision={precision}",
               *([f"training.compile={compile_}"] if compile_ != "false" else []),  # (runs on versions without it)
+              *([f"training.fused_layers={fused}"] if fused != "true" else []),
               "checkpoint.export=false", "training.max_steps=1000"]
     if workload == "fair":
         import bench_trl
@@ -133,6 +134,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--compile", default="false")
+    ap.add_argument("--fused-layers", default="true", help="false: transformers' and peft's layers as shipped")
     ap.add_argument("--method", choices=["lora", "full"], default="lora", help="smollm2 only (fair: full)")
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
     args = ap.parse_args()
@@ -141,7 +143,8 @@ def main() -> None:
     from leansft.recipe.train import train_step
 
     t_build = time.perf_counter()
-    engine, steps, window, amp = build(overrides(args.workload, args.precision, args.compile, args.method))
+    engine, steps, window, amp = build(overrides(args.workload, args.precision, args.compile, args.method,
+                                                 args.fused_layers))
     t_build = time.perf_counter() - t_build
     t0 = time.perf_counter()
     for i in range(args.warmup):  # first steps include compilation, allocator growth, lazy init
