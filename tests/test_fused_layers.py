@@ -102,3 +102,16 @@ def test_fused_run_trains_the_plain_runs_losses(tmp_path, tiny_run_assets, caplo
     assert "fused layers: " in caplog.text and "lora_linear" in caplog.text and "packed: exact" in caplog.text
     for step, loss in runs["false"].items():
         assert runs["true"][step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+
+
+def test_an_unfused_run_restores_transformers_rotary():
+    """The rotary function is replaced module-wide: a later run with fused_layers false gets transformers' back."""
+    from transformers.models.llama import modeling_llama
+
+    from leansft.core.fused_layers import restore_rotary
+
+    fuse_layers(_model("llama"))
+    fused = modeling_llama.apply_rotary_pos_emb
+    restore_rotary()
+    assert modeling_llama.apply_rotary_pos_emb is fused.args[0]
+    assert modeling_llama.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"

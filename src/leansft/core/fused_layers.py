@@ -5,8 +5,8 @@ Why: eager PyTorch runs a layer op by op, and on the CPU every elementwise op is
 RMSNorm is ~3 passes forward and ~9 backward under autograd, the rotary embedding's ``rotate_half`` a
 negation, a concatenation and three more ops, and peft's LoRA adds ``base + B(A(x)) * scale`` as three
 full-width tensors forward and as many backward. Here each is one autograd Function with the backward
-written out: the same values up to fp32 rounding (tests compare against the plain modules), 15% of a
-SmolLM2 LoRA step and 4% of the small Qwen2 on the dev CPU (benchmarks/README.md).
+written out: the same values up to fp32 rounding (tests compare against the plain modules), 12-18% of a
+SmolLM2 LoRA step and 5-7% of the small Qwen2's on the dev CPU (benchmarks/README.md).
 
 Only code known to compute exactly this is replaced: an RMSNorm whose ``forward`` is Llama's, an
 ``apply_rotary_pos_emb``/``rotate_half`` pair that is Llama's (compared by syntax tree, so the many copies
@@ -35,6 +35,7 @@ import torch
 log = logging.getLogger("leansft")
 
 _PLAIN = contextvars.ContextVar("leansft_plain_layers", default=False)
+_REPLACED_ROTARY: set[str] = set()  # transformers modules whose apply_rotary_pos_emb is _rotary
 
 
 @contextlib.contextmanager
@@ -223,6 +224,16 @@ def fuse_layers(model) -> dict[str, int]:
             continue
         if has_llama_rotary(modeling):
             modeling.apply_rotary_pos_emb = functools.partial(_rotary, _unfused(modeling.apply_rotary_pos_emb))
+            _REPLACED_ROTARY.add(name)
             counts["rotary"] += 1
     log.info("fused layers: %s", ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "none recognised")
     return counts
+
+
+def restore_rotary() -> None:
+    """transformers' own rotary functions again wherever ``fuse_layers`` replaced them: a run with
+    ``fused_layers: false`` in a process where an earlier model was fused runs the code as shipped."""
+    for name in _REPLACED_ROTARY:
+        modeling = sys.modules[name]
+        modeling.apply_rotary_pos_emb = _unfused(modeling.apply_rotary_pos_emb)
+    _REPLACED_ROTARY.clear()

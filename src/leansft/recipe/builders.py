@@ -17,7 +17,7 @@ import torch
 from leansft.core import parallel
 from leansft.core.attention import choose_backend, use_packed_attention, use_plain_attention
 from leansft.core.compile import compile_layers, wants_compile
-from leansft.core.fused_layers import fuse_layers
+from leansft.core.fused_layers import fuse_layers, restore_rotary
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
@@ -101,6 +101,8 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
         compile_layers(model, fall_back=t.compile == "auto")
     elif t.fused_layers and device.type == "cpu":
         fuse_layers(model)
+    else:
+        restore_rotary()
     if not packed:  # padded batches: the model's own, padding-aware attention
         return model, model.config._attn_implementation
     backend = choose_backend(device, cfg.training.attention,
