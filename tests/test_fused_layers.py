@@ -87,6 +87,7 @@ def test_calls_that_do_not_fit_run_the_original_code():
         assert torch.equal(norm(x), ref)  # a bf16 input: Llama's own code
 
 
+@pytest.mark.slow
 def test_fused_run_trains_the_plain_runs_losses(tmp_path, tiny_run_assets, caplog):
     """A packed LoRA run with fused layers (verify-before-train exact against the plain model) trains the
     unfused run's losses within fp32 rounding."""
