@@ -17,10 +17,10 @@ import torch
 from leansft.core import parallel
 from leansft.core.attention import choose_backend, use_packed_attention, use_plain_attention
 from leansft.core.compile import compile_layers, wants_compile
-from leansft.core.fused_layers import fuse_layers, restore_rotary
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
+from leansft.core.fused_layers import fuse_layers, restore_rotary
 from leansft.core.head import read_output_head
 from leansft.core.models import apply_lora, load_model, resolve_model_path, trainable_parameters
 from leansft.core.paths import cache_dir
