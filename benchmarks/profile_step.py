@@ -14,7 +14,7 @@ of 4,096 tokens) and ``smollm2`` (the demo's SmolLM2-135M-Instruct, LoRA r16 on 
 ``--method full``, full fine-tuning at bench_trl's learning rate; packed rows of 1,024 tokens).
 
     .venv/bin/python benchmarks/profile_step.py --workload fair [--steps 5] [--precision fp32|bf16|auto]
-        [--compile false|true|auto] [--method lora|full] [--trace runs/profile/trace.json]
+        [--compile false|true|auto] [--fused-layers true|false] [--method lora|full] [--trace runs/profile/trace.json]
 """
 
 from __future__ import annotations

@@ -89,8 +89,7 @@ class PackedBatch(_Targets):
         return int((self.starts == 0).sum())
 
     def to(self, device) -> PackedBatch:
-        sizes = self.host_segment_sizes()
-        sizes = torch.diff(self.cu_seqlens).tolist() if sizes is None else sizes
+        sizes = self.host_segment_sizes() or torch.diff(self.cu_seqlens).tolist()
         labels, cu = self.labels.to(device), self.cu_seqlens.to(device)
         return PackedBatch(self.input_ids.to(device), labels, self.position_ids.to(device), cu, self.max_seqlen,
                            self.examples, self.starts, None if self.weights is None else self.weights.to(device),

@@ -32,6 +32,8 @@ import types
 
 import torch
 
+from leansft.core.models import adapters_take_input_as_is
+
 log = logging.getLogger("leansft")
 
 _PLAIN = contextvars.ContextVar("leansft_plain_layers", default=False)
@@ -200,9 +202,8 @@ def is_plain_lora_linear(module) -> bool:
     except ImportError:
         return False
     return (type(module) is LoraLinear and type(module.base_layer) is torch.nn.Linear
-            and not getattr(module, "fan_in_fan_out", False)
-            and all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values())
-            and all(b.bias is None for b in module.lora_B.values()) and not module.lora_variant)
+            and not getattr(module, "fan_in_fan_out", False) and adapters_take_input_as_is(module)
+            and all(b.bias is None for b in module.lora_B.values()))
 
 
 def fuse_layers(model) -> dict[str, int]:

@@ -118,9 +118,14 @@ def keep_autocast_inputs(model) -> None:
     from peft.tuners.lora import LoraLayer
 
     for m in model.modules():
-        if (isinstance(m, LoraLayer) and not getattr(m, "lora_variant", None)
-                and all(isinstance(d, torch.nn.Identity) for d in m.lora_dropout.values())):
+        if isinstance(m, LoraLayer) and adapters_take_input_as_is(m):
             m.cast_input_dtype_enabled = False
+
+
+def adapters_take_input_as_is(layer) -> bool:
+    """A peft LoRA layer whose adapters see the layer's input unchanged: no dropout, no DoRA-like variant."""
+    return not getattr(layer, "lora_variant", None) and all(
+        isinstance(d, torch.nn.Identity) for d in layer.lora_dropout.values())
 
 
 def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
