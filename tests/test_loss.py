@@ -80,6 +80,14 @@ def test_cpu_bf16_autocast_head_takes_bf16_inputs_with_fp32_accumulation():
     full_logits_loss(h32, w32, labels)[0].backward()
     for got, ref in ((hidden.grad, h32.grad), (weight.grad, w32.grad)):  # bf16-level gradients
         assert float((got - ref).norm() / ref.norm()) < 1e-2
+    if cpu_has_bf16_units():  # the hidden-state gradient too is bf16 inputs, fp32 accumulated, not rounded after
+        h64, w64 = hidden.detach().bfloat16().double(), weight.detach().bfloat16().double()
+        keep = labels[0, 1:] != IGNORE_INDEX
+        probs = torch.softmax(h64[0, :-1][keep] @ w64.t(), -1)
+        probs[torch.arange(int(keep.sum())), labels[0, 1:][keep]] -= 1.0
+        exact = torch.zeros_like(h64[0])
+        exact[:-1][keep] = probs.float().bfloat16().double() @ w64
+        assert float((hidden.grad[0].double() - exact).norm() / exact.norm()) < 1e-4
 
 
 def test_frozen_weight_gets_no_gradient():

@@ -86,7 +86,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     g *= 1.0 - capped * capped
                 if scale != 1.0:
                     g *= scale
-                if need_h:
+                if need_h and fp32:  # into its rows; an out= matmul is outside autocast (fp32 out, see above)
+                    torch.mm(g, w, out=grad_h[s : s + chunk_size])
+                elif need_h:
                     grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
                 if need_w:
                     if s == 0:
