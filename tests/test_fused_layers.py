@@ -64,6 +64,37 @@ def test_fused_layers_under_bf16_autocast_are_as_close_to_fp32_as_the_plain_ones
     assert fused_err < 1.5 * plain_err + 1e-4, (fused_err, plain_err)
 
 
+def test_a_frozen_base_weight_keeps_its_cast_until_it_changes():
+    """Under bf16 autocast a frozen base weight is cast once and kept between steps, never stale: an in-place
+    change (a merge, a load) casts it again; nothing is kept for trainable weights or when told not to."""
+    from leansft.core import fused_layers
+
+    model = _model("llama", LORA)
+    fuse_layers(model)
+    layer = next(m for m in model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A"))
+
+    def kept():
+        return fused_layers._frozen_weight(layer, torch.bfloat16)
+
+    first = kept()
+    assert first is not None and first is kept() and torch.equal(first, layer.base_layer.weight.bfloat16())
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
+                m.base_layer.weight.mul_(1.5)
+    assert torch.equal(kept(), layer.base_layer.weight.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=IDS, labels=IDS).loss
+        with plain_layers():
+            ref = model(input_ids=IDS, labels=IDS).loss
+    assert float(loss) == pytest.approx(float(ref), rel=2e-2)
+    layer.base_layer.weight.requires_grad_(True)
+    assert kept() is None
+    unkept = _model("llama", LORA)
+    fuse_layers(unkept, keep_weight_casts=False)
+    assert all(fused_layers._frozen_weight(m, torch.bfloat16) is None for m in unkept.modules() if hasattr(m, "lora_A"))
+
+
 def test_only_recognised_code_is_replaced():
     gemma = _model("gemma", LoraConfig(r=4, target_modules="all-linear", dropout=0.1))
     assert fuse_layers(gemma)["rms_norm"] == 0  # Gemma's norm scales by (1 + weight): not Llama's

@@ -29,6 +29,7 @@ import logging
 import sys
 import textwrap
 import types
+import weakref
 
 import torch
 
@@ -102,9 +103,10 @@ class _LoraLinear(torch.autograd.Function):
     product added into the base output by one addmm; backward three small and two large matmuls."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, dtype: torch.dtype):
-        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        w, a, b = weight.to(dtype), lora_a.to(dtype), lora_b.to(dtype)
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, dtype: torch.dtype, w=None):
+        x2 = _cast_input(x, dtype).reshape(-1, x.shape[-1])
+        w = weight.to(dtype) if w is None else w
+        a, b = lora_a.to(dtype), lora_b.to(dtype)
         xa = torch.mm(x2, a.t())
         out = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
         out.addmm_(xa, b.t(), alpha=scale)
@@ -121,7 +123,42 @@ class _LoraLinear(torch.autograd.Function):
         # (xa^T g2)^T, not g2^T xa: the BLAS runs this skinny product ~2x faster with the long side last
         gb = torch.mm(xa.t(), g2).t().mul_(ctx.scale) if ctx.needs_input_grad[4] else None
         gx = torch.mm(g2, w).addmm_(g_xa, a).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        return gx, None, None, ga, gb, None, None
+        return gx, None, None, ga, gb, None, None, None
+
+
+# Under autocast the layers that read one input (q/k/v, gate/up) cast it once and save one copy between them.
+_LAST_CAST: list = [None, -1, None, None]  # weak reference to the input, its version, the dtype, the cast
+
+
+def _cast_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if x.dtype == dtype:
+        return x
+    ref, version, held_dtype, cast = _LAST_CAST
+    if ref is not None and ref() is x and version == x._version and held_dtype == dtype:
+        return cast
+    cast = x.to(dtype)
+    _LAST_CAST[:] = [weakref.ref(x), x._version, dtype, cast]
+    return cast
+
+
+# LoRA layers whose frozen base weight keeps its autocast copy between steps (``fuse_layers``): every step
+# would cast it again (2% of a SmolLM2 LoRA bf16 step) and hold every layer's copy until backward anyway, so
+# the peak is unchanged. Not under gradient checkpointing, where only one layer's copy lives at a time.
+_KEEP_WEIGHT_CAST: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_WEIGHT_CASTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _frozen_weight(module, dtype: torch.dtype) -> torch.Tensor | None:
+    """The base weight of ``module`` cast to ``dtype`` as last time, while it is frozen and unchanged."""
+    w = module.base_layer.weight
+    if module not in _KEEP_WEIGHT_CAST or w.requires_grad or w.dtype == dtype or type(w) is not torch.nn.Parameter:
+        return None
+    key = (dtype, w._version, w.data_ptr())
+    held = _WEIGHT_CASTS.get(module)
+    if held is None or held[0] != key:
+        held = (key, w.detach().to(dtype))
+        _WEIGHT_CASTS[module] = held
+    return held[1]
 
 
 def _as_shipped() -> bool:
@@ -153,7 +190,7 @@ def _lora_forward(module, x, *args, **kwargs):
     base, device = module.base_layer, x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     return _LoraLinear.apply(x, base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight,
-                             module.scaling[name], dtype)
+                             module.scaling[name], dtype, _frozen_weight(module, dtype))
 
 
 @functools.cache
@@ -206,10 +243,12 @@ def is_plain_lora_linear(module) -> bool:
             and all(b.bias is None for b in module.lora_B.values()))
 
 
-def fuse_layers(model) -> dict[str, int]:
+def fuse_layers(model, keep_weight_casts: bool = True) -> dict[str, int]:
     """Replace the recognised layers of ``model`` in place (parameters and state-dict keys unchanged);
     returns how many of each kind. The rotary function is replaced in its transformers module, for every
-    model of that architecture in the process (the replacement computes the same values)."""
+    model of that architecture in the process (the replacement computes the same values).
+    ``keep_weight_casts``: frozen LoRA base weights keep their autocast copy between steps (False under
+    gradient checkpointing)."""
     counts = {"rms_norm": 0, "rotary": 0, "lora_linear": 0}
     modelings = set()
     for m in model.modules():
@@ -219,6 +258,8 @@ def fuse_layers(model) -> dict[str, int]:
             counts["rms_norm"] += 1
         elif is_plain_lora_linear(m):
             m.forward = types.MethodType(_lora_forward, m)
+            if keep_weight_casts:
+                _KEEP_WEIGHT_CAST.add(m)
             counts["lora_linear"] += 1
     for name in sorted(modelings):
         modeling = sys.modules.get(name)

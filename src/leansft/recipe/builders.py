@@ -100,7 +100,7 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
     if wants_compile(t.compile, device, cfg.distributed.strategy, parallel.world_size()):
         compile_layers(model, fall_back=t.compile == "auto")
     elif t.fused_layers and device.type == "cpu":
-        fuse_layers(model)
+        fuse_layers(model, keep_weight_casts=not t.gradient_checkpointing)
     else:
         restore_rotary()
     if not packed:  # padded batches: the model's own, padding-aware attention
