@@ -144,7 +144,8 @@ def _cast_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # LoRA layers whose frozen base weight keeps its autocast copy between steps (``fuse_layers``): every step
 # would cast it again (most of the 3.6% these two caches save in a SmolLM2 LoRA bf16 step) and hold every
 # layer's copy until its backward anyway, so the peak is unchanged. Not under gradient checkpointing, where
-# only one layer's copy lives at a time.
+# only one layer's copy lives at a time. Recast when the weight's version or storage changes; a write through
+# ``.data`` changes neither (peft's merge, handled in ``_lora_forward``).
 _KEEP_WEIGHT_CAST: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _WEIGHT_CASTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 
@@ -187,6 +188,8 @@ def _lora_forward(module, x, *args, **kwargs):
     name = module.active_adapters[0] if len(module.active_adapters) == 1 else None
     if (_as_shipped() or args or kwargs or name is None or module.merged or module.disable_adapters
             or name not in module.lora_A or name in module.lora_variant):
+        if module.merged:  # peft merges through ``.data``, which no version counter sees: cast afresh later
+            _WEIGHT_CASTS.pop(module, None)
         return type(module).forward(module, x, *args, **kwargs)
     base, device = module.base_layer, x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
