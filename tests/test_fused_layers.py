@@ -125,6 +125,19 @@ def test_calls_that_do_not_fit_run_the_original_code():
 
 
 @pytest.mark.slow
+def test_a_trainable_base_layer_gets_its_gradient():
+    """The fused LoRA trains the adapters only: a base weight or bias that takes gradients runs peft's code."""
+    model = _model("llama", LORA)
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    layer.base_layer.weight.requires_grad_(True)
+    fuse_layers(model)
+    _, grads = _loss_and_grads(model, IDS)
+    with plain_layers():
+        _, ref = _loss_and_grads(model, IDS)
+    assert layer.base_layer.weight.grad is not None
+    assert float((grads - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_fused_run_trains_the_plain_runs_losses(tmp_path, tiny_run_assets, caplog):
     """A packed LoRA run with fused layers (verify-before-train exact against the plain model) trains the
     unfused run's losses within fp32 rounding."""

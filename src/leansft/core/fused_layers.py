@@ -103,9 +103,10 @@ class _LoraLinear(torch.autograd.Function):
     product added into the base output by one addmm; backward three small and two large matmuls."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, dtype: torch.dtype, w=None):
+    def forward(ctx, x, w, bias, lora_a, lora_b, scale: float):
+        """``w``: the frozen base weight already in the compute dtype, which ``x`` and the adapters take."""
+        dtype = w.dtype
         x2 = _cast_input(x, dtype).reshape(-1, x.shape[-1])
-        w = weight.to(dtype) if w is None else w
         a, b = lora_a.to(dtype), lora_b.to(dtype)
         xa = torch.mm(x2, a.t())
         out = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
@@ -123,7 +124,7 @@ class _LoraLinear(torch.autograd.Function):
         # (xa^T g2)^T, not g2^T xa: the BLAS runs this skinny product ~2x faster with the long side last
         gb = torch.mm(xa.t(), g2).t().mul_(ctx.scale) if ctx.needs_input_grad[4] else None
         gx = torch.mm(g2, w).addmm_(g_xa, a).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        return gx, None, None, ga, gb, None, None, None
+        return gx, None, None, ga, gb, None
 
 
 # Under autocast the layers that read one input (q/k/v, gate/up) cast it once and save one copy between them.
@@ -186,15 +187,18 @@ def _rotary(original, q, k, cos, sin, unsqueeze_dim=1):
 
 def _lora_forward(module, x, *args, **kwargs):
     name = module.active_adapters[0] if len(module.active_adapters) == 1 else None
+    base = module.base_layer
     if (_as_shipped() or args or kwargs or name is None or module.merged or module.disable_adapters
-            or name not in module.lora_A or name in module.lora_variant):
+            or name not in module.lora_A or name in module.lora_variant or base.weight.requires_grad
+            or (base.bias is not None and base.bias.requires_grad)):  # the Function trains the adapters only
         if module.merged:  # peft merges through ``.data``, which no version counter sees: cast afresh later
             _WEIGHT_CASTS.pop(module, None)
         return type(module).forward(module, x, *args, **kwargs)
-    base, device = module.base_layer, x.device.type
+    device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return _LoraLinear.apply(x, base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight,
-                             module.scaling[name], dtype, _frozen_weight(module, dtype))
+    w = _frozen_weight(module, dtype)
+    return _LoraLinear.apply(x, base.weight.to(dtype) if w is None else w, base.bias, module.lora_A[name].weight,
+                             module.lora_B[name].weight, module.scaling[name])
 
 
 @functools.cache
