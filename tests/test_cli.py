@@ -68,27 +68,39 @@ def run_cli(*args, cwd=None):
 
 
 @pytest.mark.parametrize(
-    "args,needle",
+    "args,needle,process",
     [
-        (["plan", "--data", "nope.jsonl", "--tokenizer", "TOK"], "nope.jsonl: file not found"),
-        (["simulate", "--examples", "0"], "expected a positive integer"),
-        (["plan", "--data", "DATA", "--tokenizer", "/no/such/tokenizer"], "cannot load tokenizer"),
-        (["plan", "--data", "EMPTY", "--tokenizer", "TOK"], "no rows (empty data)"),
-        (["plan", "--data", "DATA", "--tokenizer", "TOK", "--max-length", "4"], "longest prompt"),
-        (["show-mask", "--data", "BAD", "--tokenizer", "TOK"], "row 2: field 'messages[1].role': unknown role"),
+        pytest.param(["plan", "--data", "nope.jsonl", "--tokenizer", "TOK"], "nope.jsonl: file not found", True,
+                     marks=pytest.mark.slow),
+        (["simulate", "--examples", "0"], "expected a positive integer", False),
+        (["plan", "--data", "DATA", "--tokenizer", "/no/such/tokenizer"], "cannot load tokenizer", False),
+        (["plan", "--data", "EMPTY", "--tokenizer", "TOK"], "no rows (empty data)", False),
+        (["plan", "--data", "DATA", "--tokenizer", "TOK", "--max-length", "4"], "longest prompt", False),
+        (["show-mask", "--data", "BAD", "--tokenizer", "TOK"], "row 2: field 'messages[1].role': unknown role", False),
     ],
 )
-@pytest.mark.slow
-def test_bad_input_is_one_clear_error(tmp_path, tiny_bpe_path, args, needle):
+def test_bad_input_is_one_clear_error(tmp_path, tiny_bpe_path, capsys, args, needle, process):
+    """Exit code 2 and one line on stderr, no traceback. One case runs the real ``python -m leansft`` process
+    (the entry point's wiring); the rest call ``main`` in this process, which returns or exits the same way
+    and skips the ~10 s of importing torch and transformers again."""
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}])
     empty = tmp_path / "e.jsonl"
     empty.write_text("")
     bad = write_jsonl(tmp_path / "b.jsonl", [{"messages": CHAT}, {"messages": [CHAT[1], {"role": "bot", "content": "x"}]}])
     subst = {"TOK": tiny_bpe_path, "DATA": data, "EMPTY": str(empty), "BAD": bad}
-    r = run_cli(*[subst.get(a, a) for a in args], "--cache-dir", str(tmp_path / "c")) if args[0] != "simulate" else run_cli(*args)
-    assert r.returncode == 2, r.stderr
-    assert needle in r.stderr
-    assert "Traceback" not in r.stderr
+    argv = [subst.get(a, a) for a in args] + (["--cache-dir", str(tmp_path / "c")] if args[0] != "simulate" else [])
+    if process:
+        r = run_cli(*argv)
+        code, err = r.returncode, r.stderr
+    else:
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argparse's own errors
+            code = exit_.code
+        err = capsys.readouterr().err
+    assert code == 2, err
+    assert needle in err
+    assert "Traceback" not in err
 
 
 def test_show_mask_html_page(tmp_path, qwen25_path, capsys):

@@ -23,6 +23,13 @@ def write(cfg, path: Path) -> str:
 
 
 def launch(config: str, nproc: int, *extra: str) -> None:
+    """``leansft train`` on ``nproc`` ranks under torchrun; one process runs in this one (the same CLI, without
+    torchrun's start-up and a second ~10 s of imports)."""
+    if nproc == 1:
+        from leansft.tools.cli import main
+
+        assert main(["train", config, *extra]) == 0
+        return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", "-m", "leansft", "train", config, *extra]
@@ -73,17 +80,21 @@ def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, sin
 
 
 def test_resume_from_a_distributed_checkpoint(tmp_path, tiny_run_assets):
-    common = ["training.schedule=constant", "training.warmup_steps=0", "checkpoint.save_every=2",
-              "data.eval_split=0.1", "eval.eval_every=2", "eval.samples_every=2",
-              "distributed.strategy=fsdp"]
-    full = run_config(tmp_path / "a", tiny_run_assets, "training.max_steps=4", *common)
-    launch(write(full, tmp_path / "a.yaml"), 2)
-    part = run_config(tmp_path / "b", tiny_run_assets, "training.max_steps=2", *common)
-    cfg_b = write(part, tmp_path / "b.yaml")
-    launch(cfg_b, 2)
-    assert (Path(part.output_dir) / "checkpoints" / "step-2" / "dcp").is_dir()
-    launch(cfg_b, 2, "training.max_steps=4", "--resume", "auto")
-    assert losses(Path(part.output_dir)) == pytest.approx(losses(Path(full.output_dir)), rel=1e-6)
+    """An FSDP run saving at step 2 and step 4, resumed from its step-2 checkpoint (DCP shards written by two
+    ranks): steps 3 and 4 log the losses of the uninterrupted run again (evaluation and samples included)."""
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=4", "training.schedule=constant",
+                     "training.warmup_steps=0", "checkpoint.save_every=2", "checkpoint.keep_last=2",
+                     "data.eval_split=0.1", "eval.eval_every=2", "eval.samples_every=2", "distributed.strategy=fsdp")
+    path = write(cfg, tmp_path / "c.yaml")
+    launch(path, 2)
+    run = Path(cfg.output_dir)
+    uninterrupted = losses(run)
+    step2 = run / "checkpoints" / "step-2"
+    assert (step2 / "dcp").is_dir()
+    launch(path, 2, "--resume", str(step2))
+    assert sorted(uninterrupted) == [1, 2, 3, 4]
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4]  # resumed after step 2: its log kept, not restarted
+    assert losses(run) == pytest.approx(uninterrupted, rel=1e-6)
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
@@ -96,22 +107,41 @@ def test_lora_under_two_ranks(tmp_path, tiny_run_assets, strategy):
     assert exported and not any("lora" in k for k in exported)  # merged on export
 
 
+@pytest.fixture(scope="module")
+def fsdp_step1(tmp_path_factory, tiny_run_assets, single) -> Path:
+    """One step on two FSDP ranks (accumulation 1), checkpointed: the first leg of two resumes below."""
+    tmp = tmp_path_factory.mktemp("fsdp_step1")
+    cfg = run_config(tmp, tiny_run_assets, "training.max_steps=1", "batching.gradient_accumulation=1",
+                     "checkpoint.export=true", "training.learning_rate=1e-4", "distributed.strategy=fsdp",
+                     f"data.cache_dir={single.parent / 'cache'}")
+    launch(write(cfg, tmp / "c.yaml"), 2)
+    return tmp
+
+
 @pytest.mark.parametrize("first,then", [((1, "ddp"), (2, "fsdp")), ((2, "fsdp"), (1, "ddp")),
                                         ((2, "fsdp"), (2, "ddp"))],
                          ids=["1-to-fsdp2", "fsdp2-to-1", "fsdp-to-ddp"])  # DDP's checkpoint is a single process's
-def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, single, first, then):
+def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, single, fsdp_step1, first, then):
     """Saved on N ranks (DDP or FSDP), resumed on M: the global step (world x accumulation) is kept and the
-    run continues the uninterrupted run's loss sequence; the exported weights agree."""
+    run continues the uninterrupted run's loss sequence; the exported weights agree. The two-rank FSDP first
+    leg is run once (``fsdp_step1``) and copied for each resume."""
     (n, strategy), (m, strategy_after) = first, then
-    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=1", f"batching.gradient_accumulation={2 // n}",
-                     "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
-                     f"data.cache_dir={single.parent / 'cache'}")
-    path = write(cfg, tmp_path / "c.yaml")
-    launch(path, n)
+    if n == 2:
+        shutil.copytree(fsdp_step1, tmp_path, dirs_exist_ok=True)
+        path = str(tmp_path / "c.yaml")
+        cfg_text = Path(path).read_text().replace(str(fsdp_step1), str(tmp_path))
+        Path(path).write_text(cfg_text)
+        run = tmp_path / "run"
+    else:
+        cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=1", "batching.gradient_accumulation=2",
+                         "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
+                         f"data.cache_dir={single.parent / 'cache'}")
+        path = write(cfg, tmp_path / "c.yaml")
+        launch(path, n)
+        run = Path(cfg.output_dir)
     launch(path, m, "training.max_steps=3", f"distributed.strategy={strategy_after}", "--resume", "auto")
-    run = Path(cfg.output_dir)
     ref, got = losses(single), losses(run)
-    assert sorted(got) == sorted(ref)
+    assert [r["step"] for r in records(run)] == sorted(ref)  # resumed after step 1, not started again
     for k in ref:
         assert got[k] == pytest.approx(ref[k], rel=1e-6)
     a, b = weights(single), weights(run)
