@@ -241,33 +241,74 @@ def test_resume_checkpoint_from_an_older_format_is_refused(tmp_path, tiny_run_as
         train(cfg, resume="auto")
 
 
+def _newest_step(run: Path) -> int:
+    """The step of the newest finished checkpoint in ``run`` (0 when none): renamed into place only when whole."""
+    return max((int(p.name.removeprefix(ckpt.PREFIX)) for p in ckpt.list_checkpoints(run / "checkpoints")), default=0)
+
+
 def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
-    """kill -9 at 12 random moments (start-up, mid-step, mid-checkpoint, during export), resuming with
-    --resume auto each time; the final weights equal an uninterrupted run's bit for bit."""
+    """kill -9 during start-up, mid-step or mid-checkpoint, and during the export, resuming with --resume auto
+    each time; the final weights equal an uninterrupted run's bit for bit.
+
+    Kills are timed by what the run has done, not by the clock alone: a process start imports torch and
+    transformers (~10 s on a slow 2-core host), so kills 0.3-4 s after the start all landed before the first
+    step there. A mid-run kill waits until this process has saved two new checkpoints (it is training; the
+    time between them is one step and its checkpoint), then comes at a random point of the next such cycle;
+    the export kill comes as soon as the last checkpoint is in place. Each phase's kills are counted, so the
+    test cannot quietly turn into a start-up test again.
+    """
     import random
     import time
 
-    common = ["training.max_steps=160", "checkpoint.save_every=1", "checkpoint.keep_last=2", "checkpoint.export=true",
-              "logging.log_every=10"]
+    steps = 60
+    common = [f"training.max_steps={steps}", "checkpoint.save_every=1", "checkpoint.keep_last=2",
+              "checkpoint.export=true", "logging.log_every=10"]
     whole = run_config(tmp_path / "whole", tiny_run_assets, *common)
     train(whole)
     path = config_file(tmp_path / "chaos", tiny_run_assets, *common)
     run = tmp_path / "chaos" / "run"
-    rng, kills, env = random.Random(0), 0, {**os.environ, "OMP_NUM_THREADS": "1"}
+    rng, env = random.Random(0), {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "leansft", "train", path, "--resume", "auto"]
-    while True:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-        if kills < 12:
-            time.sleep(rng.uniform(0.3, 4.0))
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-                kills += 1
-                continue
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err.decode()[-3000:]
-        break
-    assert kills >= 8  # fewer than 12 where the resumed runs finish within the random delays (a fast machine)
+    plan = ["start-up"] * 2 + ["mid-run"] * 5
+    rng.shuffle(plan)
+    plan.append("export")
+    killed: dict[str, int] = {}
+
+    def wait_for(proc, done) -> None:
+        """Poll until ``done()`` or the process ends."""
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and not done():
+            assert time.monotonic() < deadline, "the run made no progress in 10 minutes"
+            time.sleep(0.01)
+
+    def start():
+        log = (tmp_path / "stderr.txt").open("w+b")  # a file, not a pipe nobody reads while waiting
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env), log
+
+    for phase in plan:
+        before = _newest_step(run)
+        proc, log = start()
+        if phase == "start-up":
+            time.sleep(rng.uniform(0.3, 3.0))
+        elif phase == "mid-run":  # one step-and-checkpoint cycle timed, the kill at a random point of the next
+            wait_for(proc, lambda before=before: _newest_step(run) > before)
+            t0, first = time.monotonic(), _newest_step(run)
+            wait_for(proc, lambda first=first: _newest_step(run) > first)
+            time.sleep(rng.uniform(0.0, time.monotonic() - t0))
+        else:
+            wait_for(proc, lambda: _newest_step(run) == steps)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            landed = "start-up" if _newest_step(run) == before else phase if phase == "export" else "mid-run"
+            killed[landed] = killed.get(landed, 0) + 1
+        else:
+            assert proc.returncode == 0, log.seek(0) or log.read().decode()[-3000:]
+        log.close()
+    proc, log = start()  # the last one runs to the end
+    assert proc.wait(timeout=600) == 0, log.seek(0) or log.read().decode()[-3000:]
+    log.close()
+    assert killed.get("mid-run", 0) >= 5 and killed.get("export") == 1, killed
     a = load_file(Path(whole.output_dir) / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
