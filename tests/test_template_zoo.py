@@ -28,6 +28,7 @@ def test_every_template_is_paired(templates):
         zoo.pairing(name)  # raises KeyError for a template without tokenizer and stop tokens
 
 
+@pytest.mark.slow  # every template x every conversation kind: ~45 s on a 2-core machine
 def test_every_case_is_exact_or_refused(verdicts):
     wrong = [f"{name} / {kind}: {detail}" for name, kinds in verdicts.items()
              for kind, (v, detail) in kinds.items() if v not in ("exact", "expanded", "refused")]
@@ -51,6 +52,7 @@ def test_the_reference_sees_what_the_old_special_cases_missed(templates):
         assert zoo.verdict(name, templates[name], kind)[0] == "exact"
 
 
+@pytest.mark.slow  # every template x every conversation kind: ~45 s on a 2-core machine
 def test_readme_template_table_is_current(verdicts):
     text = zoo.README.read_text()
     block = text[text.index(zoo.START) + len(zoo.START): text.index(zoo.END)].strip()
