@@ -126,20 +126,18 @@ def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, si
     run continues the uninterrupted run's loss sequence; the exported weights agree. The two-rank FSDP first
     leg is run once (``fsdp_step1``) and copied for each resume."""
     (n, strategy), (m, strategy_after) = first, then
+    run = tmp_path / "run"
     if n == 2:
-        shutil.copytree(fsdp_step1, tmp_path, dirs_exist_ok=True)
-        path = str(tmp_path / "c.yaml")
-        cfg_text = Path(path).read_text().replace(str(fsdp_step1), str(tmp_path))
-        Path(path).write_text(cfg_text)
-        run = tmp_path / "run"
+        shutil.copytree(fsdp_step1 / "run", run)
+        path = str(fsdp_step1 / "c.yaml")
     else:
         cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=1", "batching.gradient_accumulation=2",
                          "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
                          f"data.cache_dir={single.parent / 'cache'}")
         path = write(cfg, tmp_path / "c.yaml")
         launch(path, n)
-        run = Path(cfg.output_dir)
-    launch(path, m, "training.max_steps=3", f"distributed.strategy={strategy_after}", "--resume", "auto")
+    launch(path, m, f"output_dir={run}", "training.max_steps=3", f"distributed.strategy={strategy_after}",
+           "--resume", "auto")
     ref, got = losses(single), losses(run)
     assert [r["step"] for r in records(run)] == sorted(ref)  # resumed after step 1, not started again
     for k in ref:

@@ -243,7 +243,8 @@ def test_resume_checkpoint_from_an_older_format_is_refused(tmp_path, tiny_run_as
 
 def _newest_step(run: Path) -> int:
     """The step of the newest finished checkpoint in ``run`` (0 when none): renamed into place only when whole."""
-    return max((int(p.name.removeprefix(ckpt.PREFIX)) for p in ckpt.list_checkpoints(run / "checkpoints")), default=0)
+    found = ckpt.list_checkpoints(run / "checkpoints")  # oldest first
+    return int(found[-1].name.removeprefix(ckpt.PREFIX)) if found else 0
 
 
 def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
