@@ -161,3 +161,14 @@ def test_train_reexecutes_once_under_the_malloc_settings(tmp_path):
     assert run("train", LEANSFT_MALLOC="0").endswith("None")
     assert run("train", GLIBC_TUNABLES="glibc.cpu.x86_shstk=0").endswith(f"glibc.cpu.x86_shstk=0:{TUNABLES}")
     assert not wanted(["train"], {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+
+
+def test_help_and_argument_errors_import_no_torch():
+    """The CLI module imports torch, transformers and numpy only inside the commands that use them, so
+    ``leansft --help`` and a mistyped argument answer in a fraction of a second (they took ~10 s)."""
+    probe = ("import sys\nfrom leansft.tools.cli import main\n"
+             "try:\n    main(['export', 'a', 'b', '--dtype', 'q9'])\nexcept SystemExit as e:\n    code = e.code\n"
+             "print(code, sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert r.stdout.strip() == "2 []", r.stderr
+    assert "invalid choice: 'q9' (choose from" in r.stderr and "f16" in r.stderr

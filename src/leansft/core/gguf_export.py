@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import torch
 
+from leansft.core.config import GGUFDType
 from leansft.core.errors import LeanSFTError
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-DTYPES = ("f16", "bf16", "f32")
+DTYPES = get_args(GGUFDType)
 
 
 def _permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:

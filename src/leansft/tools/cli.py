@@ -14,38 +14,21 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-import numpy as np
-import torch
-from rich.logging import RichHandler
-from transformers.utils import logging as hf_logging
-
-from leansft.core.attention import VARLEN, use_packed_attention
 from leansft.core.config import (
     BatchingConfig,
     DataConfig,
     EvalConfig,
+    GGUFDType,
     LossOn,
     Method,
     SourceConfig,
     TrainingConfig,
     load_config,
 )
-from leansft.core.data.masking import resolve_template
-from leansft.core.data.prepare import prepare_data
-from leansft.core.data.tokenizer import load_tokenizer
 from leansft.core.errors import LeanSFTError
-from leansft.core.evaluation import evaluate
-from leansft.core.generation import generate
-from leansft.core.gguf_export import DTYPES as GGUF_DTYPES
-from leansft.core.models import load_model, load_model_config
-from leansft.recipe.export_run import export_source
-from leansft.recipe.report import write_report
-from leansft.recipe.train import main_train
-from leansft.tools.doctor import run_doctor
-from leansft.tools.memory import ModelShape, estimate_memory
-from leansft.tools.plan_report import plot_lengths, print_plan
-from leansft.tools.show_mask import example_kinds, html_page, print_examples, stop_summary
-from leansft.tools.stats import lognormal_lengths, plan_summary
+
+# torch, transformers and the modules built on them are imported by the command that needs them: `leansft --help`
+# and a mistyped argument answer at once instead of after seconds of imports.
 
 EXIT_ERROR = 2  # a clear error (bad input, config, model, divergence); EXIT_STOPPED (3): stopped by a signal
 
@@ -56,6 +39,9 @@ def default(model, name: str):
 
 
 def _setup_logging(verbose: bool) -> None:
+    from rich.logging import RichHandler
+    from transformers.utils import logging as hf_logging
+
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(show_time=False, show_path=False)])
     logging.getLogger("leansft").setLevel(logging.INFO)
@@ -98,10 +84,17 @@ def _data_config(args, max_length: int | None = None) -> DataConfig:
 
 
 def _prepared(args, max_length: int | None = None, truncate: bool = False):
+    from leansft.core.data.prepare import prepare_data
+
     return prepare_data(_data_config(args, max_length), args.tokenizer, truncate=truncate, holdout=False)
 
 
 def cmd_plan(args) -> int:
+    import numpy as np
+
+    from leansft.tools.plan_report import plot_lengths, print_plan
+    from leansft.tools.stats import plan_summary
+
     prep = _prepared(args)  # whole examples: the plan is about what max_length would do
     data = prep.train
     max_length = args.max_length
@@ -126,6 +119,9 @@ def cmd_plan(args) -> int:
 
 
 def _memory(args, tokens: int) -> dict:
+    from leansft.core.models import load_model_config
+    from leansft.tools.memory import ModelShape, estimate_memory
+
     shape = ModelShape.from_config(load_model_config(args.model))
     mem = estimate_memory(shape, tokens, method=args.method, precision=args.precision,
                           gradient_checkpointing=args.gradient_checkpointing)
@@ -134,6 +130,9 @@ def _memory(args, tokens: int) -> dict:
 
 
 def cmd_simulate(args) -> int:
+    from leansft.tools.plan_report import print_plan
+    from leansft.tools.stats import lognormal_lengths, plan_summary
+
     lengths = lognormal_lengths(args.examples, args.median, args.sigma, args.cap, args.seed)
     summary = plan_summary(lengths, None, args.max_length, args.batch_size, args.window, args.seed)
     print_plan(summary)
@@ -142,6 +141,9 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_show_mask(args) -> int:
+    from leansft.core.data.prepare import prepare_data
+    from leansft.tools.show_mask import example_kinds, html_page, print_examples, stop_summary
+
     cfg = _data_config(args, None)
     prep = prepare_data(cfg, args.tokenizer, truncate=False, holdout=False)
     kinds = example_kinds(prep.tokenizer, prep.template, cfg, prep.train, args.n)
@@ -157,6 +159,10 @@ def cmd_show_mask(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from leansft.core.attention import VARLEN, use_packed_attention
+    from leansft.core.data.prepare import prepare_data
+    from leansft.core.evaluation import evaluate
+
     model = _load_model(args.model)
     prep = prepare_data(_data_config(args, args.max_length), args.model, holdout=False)
     use_packed_attention(model, VARLEN)
@@ -176,6 +182,9 @@ def _write_json(path: str | None, obj, indent: int | None = 2) -> None:
 
 # -- model commands: train, doctor, generate, chat, report, lm-eval ---------------------------------
 def cmd_train(args) -> int:
+    from leansft.recipe.train import main_train
+    from leansft.tools.doctor import run_doctor
+
     cfg = load_config(args.config, args.overrides)
     if args.doctor and run_doctor(cfg) != 0:
         return 1
@@ -183,14 +192,23 @@ def cmd_train(args) -> int:
 
 
 def cmd_doctor(args) -> int:
+    from leansft.tools.doctor import run_doctor
+
     return run_doctor(load_config(args.config, args.overrides), json_out=args.json)
 
 
 def _load_model(spec: str):
+    import torch
+
+    from leansft.core.models import load_model
+
     return load_model(spec, torch.float32)
 
 
 def _inference(args):
+    from leansft.core.data.masking import resolve_template
+    from leansft.core.data.tokenizer import load_tokenizer
+
     tok = load_tokenizer(args.model)
     return _load_model(args.model), tok, resolve_template(tok, args.template)
 
@@ -200,6 +218,8 @@ def _sampling(args) -> dict:
 
 
 def cmd_generate(args) -> int:
+    from leansft.core.generation import generate
+
     model, tok, template = _inference(args)
     for prompt in args.prompt:
         (answer,) = generate(model, tok, template, [prompt], **_sampling(args))
@@ -208,6 +228,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    from leansft.core.generation import generate
+
     model, tok, template = _inference(args)
     history: list[dict] = []
     print("leansft chat: empty line or Ctrl-D to quit")
@@ -226,12 +248,16 @@ def cmd_chat(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from leansft.recipe.report import write_report
+
     for path in write_report(Path(args.run_dir)):
         print(f"wrote {path}")
     return 0
 
 
 def cmd_export(args) -> int:
+    from leansft.recipe.export_run import export_source
+
     path = export_source(args.source, args.to, args.out, args.dtype)
     print(f"wrote {path}")
     return 0
@@ -343,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--to", choices=["hf", "gguf"], default="hf",
                    help="hf: a plain Hugging Face model folder (safetensors, tokenizer, config); gguf: one GGUF file "
                         "for llama.cpp and friends (default: hf)")
-    x.add_argument("--dtype", choices=list(GGUF_DTYPES), default="f16", help="GGUF tensor type (norms stay f32)")
+    x.add_argument("--dtype", choices=get_args(GGUFDType), default="f16", help="GGUF tensor type (norms stay f32)")
     x.set_defaults(func=cmd_export)
 
     le = sub.add_parser("lm-eval", help="optional: run lm-evaluation-harness on an exported model (needs lm-eval)")
