@@ -29,6 +29,7 @@ from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import LeanSFTError
 from leansft.core.export import export, full_state_dict
 from leansft.core.forward import LossModule
+from leansft.core.grad_clip import clip_gradients
 from leansft.core.loss import normalise
 from leansft.core.models import trainable_parameters
 from leansft.core.neftune import NEFTune
@@ -100,7 +101,7 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int) ->
                 normalise(loss_sum, step_targets, e.world).backward()
         loss_total += loss_sum.detach()
     with record_function("clip"):
-        norm = torch.nn.utils.clip_grad_norm_(e.params, e.max_grad_norm or float("inf"))
+        norm = clip_gradients(e.params, e.max_grad_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
     # The step's one host sync: loss and gradient norm together, before the update is applied.
     loss, grad_norm = torch.stack([parallel.all_reduce_sum(loss_total, e.device) / (step_targets or 1.0),
