@@ -172,3 +172,21 @@ def test_help_and_argument_errors_import_no_torch():
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert r.stdout.strip() == "2 []", r.stderr
     assert "invalid choice: 'q9' (choose from" in r.stderr and "f16" in r.stderr
+
+
+def test_third_party_noise_is_kept_off_the_console():
+    """bitsandbytes' import-time CPU-kernel warning and peft's deprecated-property warning (every LoRA run
+    showed both) stay off; leansft's own messages and other warnings do not."""
+    import logging
+    import warnings
+
+    from leansft.tools.cli import _setup_logging
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _setup_logging(verbose=False)
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+        warnings.warn("something else", FutureWarning)
+    assert [str(w.message) for w in seen] == ["something else"]
+    assert not logging.getLogger("bitsandbytes.backends.cpu.ops").isEnabledFor(logging.WARNING)
+    assert logging.getLogger("leansft").isEnabledFor(logging.INFO)

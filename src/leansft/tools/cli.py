@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import get_args
 
@@ -47,8 +48,11 @@ def _setup_logging(verbose: bool) -> None:
     logging.getLogger("leansft").setLevel(logging.INFO)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     hf_logging.disable_progress_bar()
-    for noisy in ("transformers", "datasets", "httpx", "huggingface_hub", "peft"):
+    # bitsandbytes' CPU backend warns on import (which peft does for every LoRA run) that an optional kernel
+    # package is missing; peft 0.21 reads a property transformers 5 deprecated. Neither is the user's to act on.
+    for noisy in ("transformers", "datasets", "httpx", "huggingface_hub", "peft", "bitsandbytes.backends.cpu.ops"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
 
 
 def _positive(value: str) -> int:
