@@ -157,6 +157,35 @@ def test_checkpointing_and_offloading_give_the_same_losses(tmp_path, tiny_run_as
     assert losses(Path(lean.output_dir)) == pytest.approx(losses(Path(plain.output_dir)), rel=1e-5)
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_every_method_trains_in_training_mode(tmp_path, tiny_run_assets, monkeypatch, method):
+    """from_pretrained returns a model in eval mode; trained as it is, full fine-tuning silently ran without
+    dropout, NEFTune's noise and gradient checkpointing (transformers checkpoints in training mode only).
+    Here: all modules train, and under checkpointing a decoder layer's first norm runs twice a micro-batch
+    (forward, then again in backward's recompute)."""
+    import leansft.recipe.train as recipe
+
+    real, seen = recipe.train_step, []
+
+    def spy(engine, batches, step_targets, step):
+        layers = [m for m in engine.loss_module.modules() if type(m).__name__.endswith("DecoderLayer")]
+        calls = [0]
+        hooks = [layers[0].input_layernorm.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))]
+        try:
+            out = real(engine, batches, step_targets, step)
+        finally:
+            for h in hooks:
+                h.remove()
+        seen.append(({m.training for m in engine.loss_module.modules()}, calls[0] / len(batches)))
+        return out
+
+    monkeypatch.setattr(recipe, "train_step", spy)
+    cfg = run_config(tmp_path, tiny_run_assets, f"training.method={method}", "training.max_steps=2",
+                     "training.gradient_checkpointing=true")
+    train(cfg)
+    assert seen == [({True}, 2.0)] * 2
+
+
 def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, tiny_run_assets):
     import importlib.util
 

@@ -95,7 +95,9 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
         if t.gradient_checkpointing:
             model.enable_input_require_grads()
         model = apply_lora(model, t.lora)
-    model.to(device)
+    # from_pretrained returns eval mode, where dropout, NEFTune and transformers' gradient checkpointing are
+    # off; peft's wrapper happens to switch to training mode, a plain model does not.
+    model.train().to(device)
     read_output_head(model)  # measured once here, on the plain model, before any wrapping
     if wants_compile(t.compile, device, cfg.distributed.strategy, parallel.world_size()):
         compile_layers(model, fall_back=t.compile == "auto")
