@@ -15,44 +15,62 @@ def test_llama3_8b_hand_computed():
     m = estimate_memory(LLAMA3_8B, 32768, chunked_loss=False)
     assert m["logits_full_bf16"] == 32768 * 128256 * 2 == pytest.approx(8.4e9, rel=0.01)
     assert m["logits_full_fp32"] == pytest.approx(16.8e9, rel=0.01)
-    assert m["parts"]["weights"] == LLAMA3_8B.params * 2
-    assert m["parts"]["optimizer"] == LLAMA3_8B.params * 12  # two fp32 moments + fp32 master
+    # leansft keeps fp32 weights and runs bf16 as autocast: fp32 gradients and moments, no master copy, and
+    # autocast's bf16 copies of the trainable linear weights and the output layer
+    linear = 32 * LLAMA3_8B.linear_params_per_layer  # 6.98e9 weights of the decoder's linear layers
+    assert m["parts"]["weights"] == LLAMA3_8B.params * 4
+    assert m["parts"]["gradients"] == LLAMA3_8B.params * 4
+    assert m["parts"]["optimizer"] == LLAMA3_8B.params * 8
+    assert m["parts"]["weight_casts"] == 2 * (linear + 128256 * 4096)
     assert m["dominant"] == "activations"
     ck = estimate_memory(LLAMA3_8B, 32768, gradient_checkpointing=True)
-    assert ck["parts"]["activations"] < m["parts"]["activations"] / 10
+    assert ck["parts"]["activations"] < m["parts"]["activations"] / 8
     assert ck["parts"]["logits"] == 1024 * 128256 * 4 * 2
     lora = estimate_memory(LLAMA3_8B, 32768, method="lora", lora_r=16)
     assert lora["trainable_params"] == pytest.approx(42e6, rel=0.05)
     assert lora["parts"]["optimizer"] == lora["trainable_params"] * 8  # moments of the adapters only
+    assert lora["parts"]["weights"] == (LLAMA3_8B.params + lora["trainable_params"]) * 4  # 32 GB, frozen in fp32
+    assert lora["parts"]["weight_casts"] == 2 * linear  # each layer's bf16 copy, kept for its input gradient
+    lora_ck = estimate_memory(LLAMA3_8B, 32768, method="lora", lora_r=16, gradient_checkpointing=True)
+    assert lora_ck["parts"]["weight_casts"] == 2 * LLAMA3_8B.linear_params_per_layer  # one layer's at a time
+    assert estimate_memory(LLAMA3_8B, 32768, method="lora", precision="fp32")["parts"]["weight_casts"] == 0
     q = estimate_memory(LLAMA3_8B, 32768, method="qlora", lora_r=16)
-    linear = 32 * LLAMA3_8B.linear_params_per_layer  # 6.98e9 weights of the decoder's linear layers
     assert q["parts"]["weights_4bit"] == linear // 2
     assert q["parts"]["quantisation_constants"] == pytest.approx(linear / 64, rel=0.02)
     base = q["parts"]["weights_4bit"] + q["parts"]["quantisation_constants"] + q["parts"]["weights"]
-    assert base == pytest.approx(6.1e9, rel=0.05)  # 16 GB in bf16 -> about 6 GB: 7-8B fits one 24 GB GPU
+    # 32 GB in fp32 -> about 8 GB (3.6 in 4 bits, the fp32 embedding and output layer 4.2): 8B fits one 24 GB GPU
+    assert base == pytest.approx(8.0e9, rel=0.03)
 
 
-def test_estimate_against_measured_tiny_model():
-    """Activations + logits estimate vs. the peak of live CPU tensors in a real forward/backward.
-    Tolerance: within a factor of 2 (the estimate ignores allocator slack and temporary buffers)."""
+@pytest.mark.parametrize("method,precision", [("full", "fp32"), ("full", "bf16"), ("lora", "bf16")])
+def test_estimate_against_measured_tiny_model(method, precision):
+    """Weight copies + activations + logits + gradients estimated vs. the peak of live CPU tensors in a real
+    forward/backward through the layers a CPU run trains with, bf16 being autocast over fp32 weights. The estimate ignores temporary
+    buffers; measured/estimated was 0.91-1.36 over 16 configurations of a 576-wide Llama through `doctor`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from leansft.core.config import LoraConfig
+    from leansft.core.fused_layers import fuse_layers
     from leansft.core.memtrack import TensorMemoryTracker
+    from leansft.core.models import apply_lora
 
     cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=2000, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float()
+    model = LlamaForCausalLM(cfg).float().train()
     model.config._attn_implementation = "sdpa"
+    if method == "lora":
+        model = apply_lora(model, LoraConfig(r=16, alpha=32, target_modules="all-linear"))
+    fuse_layers(model, keep_weight_casts=True)  # the layers a CPU run trains with
     tokens = 1024
     ids = torch.randint(0, 2000, (1, tokens))
-    est = estimate_memory(ModelShape.from_config(cfg), tokens, precision="fp32", chunked_loss=False)
-    with TensorMemoryTracker() as tr:
+    est = estimate_memory(ModelShape.from_config(cfg), tokens, method=method, precision=precision,
+                          chunked_loss=False)
+    with TensorMemoryTracker() as tr, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
-    measured = tr.peak
-    predicted = est["parts"]["activations"] + est["parts"]["logits"] + est["parts"]["gradients"]
-    assert predicted / 2 < measured < predicted * 2, (measured, predicted)
+    predicted = sum(est["parts"][k] for k in ("weight_casts", "activations", "logits", "gradients"))
+    assert predicted / 1.5 < tr.peak < predicted * 1.5, (tr.peak, predicted)
 
 
 def test_tracker_counts_a_sparse_gradient():

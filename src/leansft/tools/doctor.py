@@ -198,12 +198,11 @@ def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> 
     module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend)
     plan, groups = batcher.epoch_plan(0)
     batch = batcher.collate(plan, groups[0]).to(device)
-    method = "lora" if cfg.training.method == "lora" else "full"
-    est = estimate_memory(ModelShape.from_config(model.config), batch.real_tokens, method=method,
+    est = estimate_memory(ModelShape.from_config(model.config), batch.real_tokens, method=cfg.training.method,
                           precision="bf16" if amp else "fp32",
                           gradient_checkpointing=cfg.training.gradient_checkpointing,
-                          chunk_size=cfg.training.loss_chunk_size)
-    act_est = est["parts"]["activations"] + est["parts"]["logits"] + est["parts"]["gradients"]
+                          chunk_size=cfg.training.loss_chunk_size, lora_r=cfg.training.lora.r)
+    act_est = sum(est["parts"][k] for k in ("weight_casts", "activations", "logits", "gradients"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -215,7 +214,7 @@ def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> 
     model.zero_grad(set_to_none=True)
     mem = Check("memory", "PASS" if measured < 3 * act_est else "WARN",
                 f"one micro-batch of {batch.real_tokens} tokens: measured {measured / 1e6:.1f} MB above the weights, "
-                f"estimated {act_est / 1e6:.1f} MB (activations + logits + gradients)",
+                f"estimated {act_est / 1e6:.1f} MB (bf16 weight copies + activations + logits + gradients)",
                 {"measured_bytes": int(measured), "estimated_bytes": int(act_est), "estimate": est["parts"]})
     steps = min(3, len(groups))
     t0, tokens, flops = time.perf_counter(), 0, 0.0

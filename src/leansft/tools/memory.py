@@ -2,6 +2,10 @@
 
 The model is described by its transformers config (hidden size, layers, heads, vocab, MLP width).
 Numbers are bytes. It is an estimate: allocator slack and framework buffers are not included.
+
+It describes what ``leansft train`` runs: every weight in fp32 (but QLoRA's 4-bit linear layers), and
+``precision: bf16`` as autocast, so fp32 gradients and AdamW moments with no master copy, plus the bf16
+copies autocast makes of the weights (``weight_casts``) and the fp32 residual stream between layers.
 """
 
 from __future__ import annotations
@@ -52,10 +56,12 @@ class ModelShape:
         return self.layers * per_layer
 
     def activation_bytes_per_token_per_layer(self, act_bytes: int) -> int:
-        """Tensors a decoder layer keeps for backward, per token: norm inputs, q/k/v, attention output,
-        MLP gate/up/activation/product, residual."""
+        """Tensors a decoder layer keeps for backward, per token (counted with saved-tensor hooks on a Llama
+        layer): the two norms' inputs (the residual stream, fp32 under autocast too), then in ``act_bytes``
+        the two normed inputs, q/k/v, the attention's output and o_proj's contiguous copy of it, and the MLP's
+        gate/up/activation/product."""
         h, kv, i = self.hidden, self.kv_dim, self.intermediate
-        return act_bytes * (6 * h + 2 * kv + 4 * i)
+        return 4 * 2 * h + act_bytes * (5 * h + 2 * kv + 4 * i)
 
 
 def estimate_memory(
@@ -69,34 +75,36 @@ def estimate_memory(
     chunk_size: int = 1024,
     lora_r: int = 16,
 ) -> dict:
-    """Bytes by part for one micro-batch of ``tokens`` tokens, plus the dominant part."""
+    """Bytes by part for one micro-batch of ``tokens`` tokens, plus the dominant part. ``precision`` bf16 is
+    autocast (``training.precision`` bf16/auto on hardware with bf16 units)."""
     p = shape.params
-    b = 2 if precision == "bf16" else 4
-    weights = p * b
+    b = 2 if precision == "bf16" else 4  # activations' bytes
+    linear = shape.layers * shape.linear_params_per_layer
     trainable = p if method == "full" else shape.lora_params(lora_r)
+    weights = p * 4 + (trainable * 4 if method != "full" else 0)  # fp32, adapters apart
     quantised = {}
-    if method == "full":
-        grads = trainable * b
-        master = trainable * 4 if precision == "bf16" else 0
-    else:
-        weights += trainable * 4
-        grads, master = trainable * 4, 0
     if method == "qlora":  # the decoder's linear layers in NF4: 4 bits + an 8-bit constant per 64 weights, whose
-        linear = shape.layers * shape.linear_params_per_layer  # own fp32 constants come one per 256 blocks
-        weights -= linear * b
+        weights -= linear * 4  # own fp32 constants come one per 256 blocks
         quantised = {"weights_4bit": linear // 2, "quantisation_constants": int(linear / 64 + linear / 64 / 256 * 4)}
-    optimizer = trainable * 8 + master  # AdamW: two fp32 moments (+ fp32 master weights under bf16)
+    casts = 0
+    if precision == "bf16" and method == "full":  # autocast caches a trainable weight's cast for the whole step
+        casts = 2 * (linear + shape.vocab * shape.hidden)
+    elif precision == "bf16" and method == "lora":  # a frozen layer's cast is kept for its input gradient
+        casts = 2 * (shape.linear_params_per_layer if gradient_checkpointing else linear)
+    grads = trainable * 4
+    optimizer = trainable * 8  # AdamW: two fp32 moments
     per_layer = shape.activation_bytes_per_token_per_layer(b)
-    if gradient_checkpointing:
-        activations = tokens * (shape.layers * shape.hidden * b + per_layer)
+    if gradient_checkpointing:  # each layer's input (the fp32 residual stream), one layer's inside
+        activations = tokens * (shape.layers * shape.hidden * 4 + per_layer)
     else:
         activations = tokens * shape.layers * per_layer
     logits_bf16 = tokens * shape.vocab * 2
     logits_fp32 = tokens * shape.vocab * 4
-    # chunked: one chunk's fp32 logits and their gradient live at once
-    logits = min(tokens, chunk_size) * shape.vocab * 4 * 2 if chunked_loss else tokens * shape.vocab * (b + 4)
-    parts = {"weights": weights, **quantised, "gradients": grads, "optimizer": optimizer, "activations": activations,
-             "logits": logits}
+    # chunked: one chunk's fp32 logits and their gradient live at once; a model's own loss keeps the logits, an
+    # fp32 log-softmax and, in backward, its gradient
+    logits = min(tokens, chunk_size) * shape.vocab * 4 * 2 if chunked_loss else tokens * shape.vocab * (b + 8)
+    parts = {"weights": weights, **quantised, "weight_casts": casts, "gradients": grads, "optimizer": optimizer,
+             "activations": activations, "logits": logits}
     return {
         "params": p,
         "trainable_params": trainable,
@@ -104,7 +112,7 @@ def estimate_memory(
         "parts": parts,
         "total": sum(parts.values()),
         "dominant": max(parts, key=parts.get),
-        "activations_with_checkpointing": tokens * (shape.layers * shape.hidden * b + per_layer),
+        "activations_with_checkpointing": tokens * (shape.layers * shape.hidden * 4 + per_layer),
         "activations_without_checkpointing": tokens * shape.layers * per_layer,
         "logits_full_bf16": logits_bf16,
         "logits_full_fp32": logits_fp32,
