@@ -96,7 +96,7 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
             model.enable_input_require_grads()
         model = apply_lora(model, t.lora)
     # from_pretrained returns eval mode, where dropout, NEFTune and transformers' gradient checkpointing are
-    # off; peft's wrapper happens to switch to training mode, a plain model does not.
+    # off (a LoRA-wrapped model came back in training mode, a plain one did not: full fine-tuning trained in eval).
     model.train().to(device)
     read_output_head(model)  # measured once here, on the plain model, before any wrapping
     if wants_compile(t.compile, device, cfg.distributed.strategy, parallel.world_size()):
