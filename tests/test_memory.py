@@ -15,6 +15,7 @@ def test_llama3_8b_hand_computed():
     m = estimate_memory(LLAMA3_8B, 32768, chunked_loss=False)
     assert m["logits_full_bf16"] == 32768 * 128256 * 2 == pytest.approx(8.4e9, rel=0.01)
     assert m["logits_full_fp32"] == pytest.approx(16.8e9, rel=0.01)
+    assert m["logits_full_loss"] == 32768 * 128256 * 10  # bf16 logits + fp32 log-softmax + its gradient: 42 GB
     # leansft keeps fp32 weights and runs bf16 as autocast: fp32 gradients and moments, no master copy, and
     # autocast's bf16 copies of the trainable linear weights and the output layer
     linear = 32 * LLAMA3_8B.linear_params_per_layer  # 6.98e9 weights of the decoder's linear layers

@@ -21,7 +21,9 @@ log = logging.getLogger("leansft")
 
 
 def load_model_config(spec: str, trust_remote_code: bool = False):
-    """A transformers config; wraps every failure in a ``ModelError`` naming ``spec``."""
+    """A transformers config of any model ``train`` takes (``pkg:`` too); wraps every failure in a
+    ``ModelError`` naming ``spec``."""
+    spec = resolve_package_path(spec)
     path = Path(spec)
     try:
         if path.is_file() and path.suffix == ".gguf":

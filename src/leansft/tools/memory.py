@@ -102,7 +102,8 @@ def estimate_memory(
     logits_fp32 = tokens * shape.vocab * 4
     # chunked: one chunk's fp32 logits and their gradient live at once; a model's own loss keeps the logits, an
     # fp32 log-softmax and, in backward, its gradient
-    logits = min(tokens, chunk_size) * shape.vocab * 4 * 2 if chunked_loss else tokens * shape.vocab * (b + 8)
+    full_logits = tokens * shape.vocab * (b + 8)
+    logits = min(tokens, chunk_size) * shape.vocab * 4 * 2 if chunked_loss else full_logits
     parts = {"weights": weights, **quantised, "weight_casts": casts, "gradients": grads, "optimizer": optimizer,
              "activations": activations, "logits": logits}
     return {
@@ -114,6 +115,7 @@ def estimate_memory(
         "dominant": max(parts, key=parts.get),
         "activations_with_checkpointing": tokens * (shape.layers * shape.hidden * 4 + per_layer),
         "activations_without_checkpointing": tokens * shape.layers * per_layer,
+        "logits_full_loss": full_logits,  # what a model's own (unchunked) loss holds, for comparison
         "logits_full_bf16": logits_bf16,
         "logits_full_fp32": logits_fp32,
         "logits_chunked": min(tokens, chunk_size) * shape.vocab * 4 * 2,

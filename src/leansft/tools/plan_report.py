@@ -65,8 +65,8 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
         console.print(mt)
         console.print(
             f"activations with/without checkpointing: {_gb(mem['activations_with_checkpointing'])} / "
-            f"{_gb(mem['activations_without_checkpointing'])}; full logits bf16 {_gb(mem['logits_full_bf16'])}, "
-            f"fp32 {_gb(mem['logits_full_fp32'])}, chunked {_gb(mem['logits_chunked'])}"
+            f"{_gb(mem['activations_without_checkpointing'])}; the loss's logits: chunked {_gb(mem['logits_chunked'])}, "
+            f"a model's own loss {_gb(mem['logits_full_loss'])} (logits, fp32 log-softmax and its gradient)"
         )
 
 
