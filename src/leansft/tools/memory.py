@@ -103,7 +103,8 @@ def estimate_memory(
     # chunked: one chunk's fp32 logits and their gradient live at once; a model's own loss keeps the logits, an
     # fp32 log-softmax and, in backward, its gradient
     full_logits = tokens * shape.vocab * (b + 8)
-    logits = min(tokens, chunk_size) * shape.vocab * 4 * 2 if chunked_loss else full_logits
+    chunked_logits = min(tokens, chunk_size) * shape.vocab * 4 * 2
+    logits = chunked_logits if chunked_loss else full_logits
     parts = {"weights": weights, **quantised, "weight_casts": casts, "gradients": grads, "optimizer": optimizer,
              "activations": activations, "logits": logits}
     return {
@@ -118,5 +119,5 @@ def estimate_memory(
         "logits_full_loss": full_logits,  # what a model's own (unchunked) loss holds, for comparison
         "logits_full_bf16": logits_bf16,
         "logits_full_fp32": logits_fp32,
-        "logits_chunked": min(tokens, chunk_size) * shape.vocab * 4 * 2,
+        "logits_chunked": chunked_logits,
     }
