@@ -6,6 +6,8 @@ gradient norm, the fused AdamW and its weight-decay groups, accumulation) to the
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 import transformers as tf
@@ -54,7 +56,7 @@ def reference_run(model, seen: dict, weight_decay: float, max_grad_norm: float) 
     for rows, step_targets, *_ in seen["steps"]:
         total = 0.0
         for ids, labels, cu in rows:
-            for a, b in zip(cu[:-1], cu[1:]):  # each packed example alone
+            for a, b in pairwise(cu):  # each packed example alone
                 with plain_layers():
                     logits = model(input_ids=ids[:, a:b], use_cache=False).logits
                 loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels[0, a + 1:b], reduction="sum")
