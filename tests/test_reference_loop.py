@@ -30,7 +30,7 @@ def record_steps(monkeypatch) -> dict:
         model = engine.loss_module.model
         if not seen["steps"]:
             seen["before"] = {n: p.detach().clone() for n, p in trainable_parameters(model)}
-        rows = [(b.input_ids.clone(), b.labels.clone(), b.cu_seqlens.tolist()) for b in batches]
+        rows = [examples_of(b) for b in batches]
         loss, norm, lr = real(engine, batches, step_targets, step)
         seen["steps"].append((rows, step_targets, loss, norm, lr))
         seen["after"] = {n: p.detach().clone() for n, p in trainable_parameters(model)}
@@ -38,6 +38,15 @@ def record_steps(monkeypatch) -> dict:
 
     monkeypatch.setattr(recipe, "train_step", spy)
     return seen
+
+
+def examples_of(batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A micro-batch's examples as (input ids, labels), each alone: packed pieces or padded rows unpadded."""
+    if hasattr(batch, "cu_seqlens"):
+        return [(batch.input_ids[:, a:b].clone(), batch.labels[:, a:b].clone())
+                for a, b in pairwise(batch.cu_seqlens.tolist())]
+    return [(ids[None, :n].clone(), labels[None, :n].clone())
+            for ids, labels, n in zip(batch.input_ids, batch.labels, batch.attention_mask.sum(1).tolist(), strict=True)]
 
 
 def reference_run(model, seen: dict, weight_decay: float, max_grad_norm: float) -> list[tuple[float, float]]:
@@ -55,13 +64,12 @@ def reference_run(model, seen: dict, weight_decay: float, max_grad_norm: float) 
     model.train()
     for rows, step_targets, *_ in seen["steps"]:
         total = 0.0
-        for ids, labels, cu in rows:
-            for a, b in pairwise(cu):  # each packed example alone
-                with plain_layers():
-                    logits = model(input_ids=ids[:, a:b], use_cache=False).logits
-                loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels[0, a + 1:b], reduction="sum")
-                (loss / step_targets).backward()
-                total += float(loss)
+        for ids, labels in (example for micro_batch in rows for example in micro_batch):
+            with plain_layers():
+                logits = model(input_ids=ids, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels[0, 1:], reduction="sum")
+            (loss / step_targets).backward()
+            total += float(loss)
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -82,19 +90,20 @@ def tied_tiny_llama(dest, source: str) -> str:
     return str(dest)
 
 
-@pytest.mark.parametrize("method", ["full-tied", "lora"])
-def test_training_equals_the_plain_model_trained_example_by_example(tmp_path, tiny_run_assets, monkeypatch, method):
+@pytest.mark.parametrize(("method", "strategy"), [("full-tied", "bfd"), ("lora", "bfd"), ("full-tied", "sorted")])
+def test_training_equals_the_plain_model_trained_example_by_example(tmp_path, tiny_run_assets, monkeypatch, method,
+                                                                    strategy):
     assets = dict(tiny_run_assets)
     if method == "full-tied":
         assets["model"] = tied_tiny_llama(tmp_path / "tied", tiny_run_assets["model"])
     over = ["training.max_steps=4", "training.schedule=constant", "training.warmup_steps=0",
-            "training.weight_decay=0.1", "training.max_grad_norm=0.15", "batching.strategy=bfd"]
+            "training.weight_decay=0.1", "training.max_grad_norm=0.15", f"batching.strategy={strategy}"]
     if method == "lora":
         over += ["training.method=lora", "training.lora.r=4", "training.lora.alpha=8"]
     cfg = run_config(tmp_path, assets, *over)
     seen = record_steps(monkeypatch)
     recipe.train(cfg)
-    assert any(len(cu) > 2 for rows, *_ in seen["steps"] for *_, cu in rows)  # packed rows: several examples
+    assert all(len(micro_batch) > 1 for rows, *_ in seen["steps"] for micro_batch in rows)  # several examples each
 
     plain = tf.AutoModelForCausalLM.from_pretrained(assets["model"], attn_implementation="eager",
                                                     dtype=torch.float32)
