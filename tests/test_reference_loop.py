@@ -100,7 +100,7 @@ def test_training_equals_the_plain_model_trained_example_by_example(tmp_path, ti
             "training.weight_decay=0.1", "training.max_grad_norm=0.15", f"batching.strategy={strategy}"]
     if method == "lora":
         over += ["training.method=lora", "training.lora.r=4", "training.lora.alpha=8"]
-    cfg = run_config(tmp_path, assets, *over)
+    cfg = run_config(tmp_path, assets, *over, f"checkpoint.export={strategy == 'bfd'}")
     seen = record_steps(monkeypatch)
     recipe.train(cfg)
     assert all(len(micro_batch) > 1 for rows, *_ in seen["steps"] for micro_batch in rows)  # several examples each
@@ -123,3 +123,11 @@ def test_training_equals_the_plain_model_trained_example_by_example(tmp_path, ti
     ref_moved = torch.cat([(trained[n].detach() - seen["before"][n]).flatten() for n in trained])
     assert ref_moved.norm() > 0
     assert float((moved - ref_moved).norm() / ref_moved.norm()) < 1e-4
+
+    if cfg.checkpoint.export:  # the folder a user ships computes what the reference model computes
+        exported = tf.AutoModelForCausalLM.from_pretrained(f"{cfg.output_dir}/final", dtype=torch.float32).eval()
+        reference = (plain.merge_and_unload() if method == "lora" else plain).eval()
+        ids = torch.cat([ids for rows, *_ in seen["steps"][:1] for ids, _ in rows[0]], dim=1)[:, :128]
+        with torch.no_grad(), plain_layers():
+            want, got = reference(input_ids=ids).logits, exported(input_ids=ids).logits
+        assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
