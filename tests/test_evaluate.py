@@ -12,7 +12,7 @@ import torch
 from helpers import run_config, tiny_model
 
 from leansft.core import checkpoint as ckpt
-from leansft.core.attention import VARLEN, use_packed_attention
+from leansft.core.attention import VARLEN, use_packed_attention, use_plain_attention
 from leansft.core.collate import collate_padded
 from leansft.core.data.masking import IGNORE_INDEX, resolve_template
 from leansft.core.evaluation import evaluate
@@ -50,6 +50,12 @@ def test_eval_loss_equals_padded_transformers_forward(tmp_path, load_tok, tiny_b
     single = evaluate(model, data, max_length=256, tokens_per_micro_batch=1)
     assert single["eval_loss"] == pytest.approx(packed["eval_loss"], rel=1e-5)
     assert packed["eval_token_accuracy"] == pytest.approx(correct / n)
+    # a model training on padded batches (sorted/padded, or the fallback) keeps its padding-aware attention:
+    # evaluated on padded batches, the same numbers
+    use_plain_attention(model)
+    padded = evaluate(model, data, max_length=256, tokens_per_micro_batch=300)
+    assert padded["eval_targets"] == n and padded["eval_loss"] == pytest.approx(packed["eval_loss"], rel=1e-5)
+    assert padded["eval_token_accuracy"] == pytest.approx(correct / n)
 
 
 def test_sampling_reproducible_stops_at_end_of_turn_and_restores_train_mode(load_tok, tiny_bpe_path):

@@ -1,6 +1,8 @@
 """Held-out loss, perplexity and token accuracy over target tokens, token-weighted, no grad.
 
-Uses the same masking, packing and varlen attention as training; logits are made chunk by chunk.
+Uses the same masking, packing and varlen attention as training; logits are made chunk by chunk. A model
+training on padded batches (``sorted``/``padded``, or the fallback for a model that cannot pack) has its
+padding-aware attention: it is evaluated on length-sorted padded batches.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import math
 import numpy as np
 import torch
 
-from leansft.core.collate import collate_rows, micro_batches
+from leansft.core.attention import PACKED_SAFE
+from leansft.core.collate import collate_padded, collate_rows, micro_batches
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.forward import hidden_states
 from leansft.core.head import read_output_head
@@ -36,18 +39,18 @@ def eval_stats(model, hidden, labels, chunk_size: int) -> tuple[float, int, int]
 def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_batch: int, chunk_size: int = 1024,
              device: torch.device | None = None, autocast_dtype: torch.dtype | None = None,
              sharded_module=None) -> dict:
-    """Token-weighted mean loss over all target tokens of ``data`` (packed, varlen attention).
+    """Token-weighted mean loss over all target tokens of ``data`` (packed with varlen attention where the model
+    has it, else padded).
 
     ``sharded_module``: the FSDP-wrapped loss module; its forward gathers the shards, so the loss goes
     through it (every rank takes part) and token accuracy is not computed."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
-    plan = bfd(np.minimum(data.lengths, max_length), max_length)
     loss, n, correct = 0.0, 0, 0
     try:
-        for rows in micro_batches(plan, max(tokens_per_micro_batch, max_length)):
-            batch = collate_rows(data, plan, rows).to(device)
+        for batch in _batches(model, data, max_length, max(tokens_per_micro_batch, max_length)):
+            batch = batch.to(device)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 if sharded_module is not None:
                     l, k, c = float(sharded_module(batch)), batch.target_tokens, 0
@@ -62,3 +65,22 @@ def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_ba
     accuracy = None if sharded_module is not None else correct / max(n, 1)
     return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50)), "eval_token_accuracy": accuracy,
             "eval_targets": n}
+
+
+def _batches(model, data: TokenizedDataset, max_length: int, budget: int):
+    """Micro-batches of at most ``budget`` tokens: packed rows, or padded ones (length-sorted) for a model
+    without a packed attention (any pad id serves: padding is masked out of attention and loss)."""
+    lengths = np.minimum(data.lengths, max_length)
+    if model.config._attn_implementation in PACKED_SAFE:
+        plan = bfd(lengths, max_length)
+        for rows in micro_batches(plan, budget):
+            yield collate_rows(data, plan, rows)
+        return
+    group: list[int] = []
+    for i in np.argsort(lengths, kind="stable").tolist():  # ascending: the newest example is the widest
+        if group and (len(group) + 1) * int(lengths[i]) > budget:
+            yield collate_padded(data, np.asarray(group), 0, max_length)
+            group = []
+        group.append(i)
+    if group:
+        yield collate_padded(data, np.asarray(group), 0, max_length)
