@@ -30,9 +30,15 @@ def test_llama3_8b_hand_computed():
     lora = estimate_memory(LLAMA3_8B, 32768, method="lora", lora_r=16)
     assert lora["trainable_params"] == pytest.approx(42e6, rel=0.05)
     assert lora["parts"]["optimizer"] == lora["trainable_params"] * 8  # moments of the adapters only
-    assert lora["parts"]["weights"] == (LLAMA3_8B.params + lora["trainable_params"]) * 4  # 32 GB, frozen in fp32
-    assert lora["parts"]["weight_casts"] == 2 * linear  # each layer's bf16 copy, kept for its input gradient
-    lora_ck = estimate_memory(LLAMA3_8B, 32768, method="lora", lora_r=16, gradient_checkpointing=True)
+    # the frozen linear layers in bf16 (training.lora.bf16_base), the embedding, norms and output layer in fp32
+    assert lora["parts"]["weights"] == (LLAMA3_8B.params + lora["trainable_params"]) * 4 - linear * 2
+    assert lora["parts"]["weights"] == pytest.approx(18.3e9, rel=0.01)  # 14 GB bf16 + 4.2 GB embedding and head
+    assert lora["parts"]["weight_casts"] == 0  # the bf16 weights are what autocast would have cast
+    fp32_base = estimate_memory(LLAMA3_8B, 32768, method="lora", lora_r=16, bf16_base=False)
+    assert fp32_base["parts"]["weights"] == (LLAMA3_8B.params + lora["trainable_params"]) * 4  # 32 GB in fp32
+    assert fp32_base["parts"]["weight_casts"] == 2 * linear  # each layer's bf16 copy, kept for its input gradient
+    lora_ck = estimate_memory(LLAMA3_8B, 32768, method="lora", lora_r=16, gradient_checkpointing=True,
+                              bf16_base=False)
     assert lora_ck["parts"]["weight_casts"] == 2 * LLAMA3_8B.linear_params_per_layer  # one layer's at a time
     assert estimate_memory(LLAMA3_8B, 32768, method="lora", precision="fp32")["parts"]["weight_casts"] == 0
     q = estimate_memory(LLAMA3_8B, 32768, method="qlora", lora_r=16)
@@ -65,6 +71,14 @@ def test_estimate_against_measured_tiny_model(method, precision):
     fuse_layers(model, keep_weight_casts=True)  # the layers a CPU run trains with
     tokens = 1024
     ids = torch.randint(0, 2000, (1, tokens))
+    if method == "lora" and precision == "bf16":  # the frozen base in bf16, as train stores it
+        from leansft.core.bf16_base import store_base_in_bf16
+
+        def probe():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(input_ids=ids[:, :64]).logits
+
+        assert store_base_in_bf16(model, probe) == 4 * 7
     est = estimate_memory(ModelShape.from_config(cfg), tokens, method=method, precision=precision,
                           chunked_loss=False)
     with TensorMemoryTracker() as tr, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):

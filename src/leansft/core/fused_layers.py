@@ -164,6 +164,11 @@ def _frozen_weight(module, dtype: torch.dtype) -> torch.Tensor | None:
     return held[1]
 
 
+def forget_weight_casts() -> None:
+    """Drop every kept cast (``core/bf16_base.py`` replaces the weights they were made from)."""
+    _WEIGHT_CASTS.clear()
+
+
 def _as_shipped() -> bool:
     """Run the original code: inside ``plain_layers()``, or while torch.compile traces (it fuses these itself)."""
     return _PLAIN.get() or torch.compiler.is_compiling()

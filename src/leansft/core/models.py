@@ -109,6 +109,24 @@ def apply_lora(model, lora_cfg):
     return model
 
 
+def merged_plain_model(trained, spec: str, lora_cfg, trust_remote_code: bool = False,
+                       base: dict[str, torch.Tensor] | None = None):
+    """A plain fp32 model: ``spec`` loaded afresh, ``base`` (name -> weight) put in place of its own weights, and
+    the adapters of ``trained`` (a PEFT model) merged in by PEFT's own merge, so DoRA and rsLoRA merge as they
+    trained. For a base the run held otherwise than as loaded: 4-bit (QLoRA) or bf16 (``core/bf16_base.py``)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    plain = load_model(spec, torch.float32, trust_remote_code=trust_remote_code)
+    if base:
+        missing = [k for k in base if k not in plain.state_dict()]
+        if missing:
+            raise ModelError(f"cannot map the trained base's {missing[0]} onto the plain model", file=spec)
+        plain.load_state_dict(base, strict=False)
+    plain = apply_lora(plain, lora_cfg)
+    set_peft_model_state_dict(plain, {k: v.float().cpu() for k, v in get_peft_model_state_dict(trained).items()})
+    return plain.merge_and_unload().eval()
+
+
 def keep_autocast_inputs(model) -> None:
     """Stop peft casting a plain LoRA layer's input to the adapter's fp32 dtype.
 

@@ -1,8 +1,8 @@
 """QLoRA's 4-bit base (bitsandbytes ``Linear4bit``: NF4/FP4, double quantisation, a compute dtype) and its
 way back out: a plain model whose weights are the dequantised 4-bit ones with the adapters merged in.
 
-The export merges against the dequantised weights, the function the run actually trained (not the
-original full-precision checkpoint, which the adapters never saw).
+The export merges against the dequantised weights (``dequantised_base``), the function the run actually
+trained (not the original full-precision checkpoint, which the adapters never saw).
 """
 
 from __future__ import annotations
@@ -87,19 +87,7 @@ def weight_bytes(model) -> dict[str, float]:
             "model_bytes": total}
 
 
-def merged_plain_model(trained, spec: str, lora_cfg, trust_remote_code: bool = False):
-    """A plain fp32 model: the dequantised 4-bit base with the trained adapters merged in (PEFT's own merge, so
-    DoRA and rsLoRA merge as they trained). ``trained``: the PEFT model over the 4-bit base."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    from leansft.core.models import apply_lora, load_model
-
-    plain = load_model(spec, torch.float32, trust_remote_code=trust_remote_code)
-    base = {f"{name}.weight": dequantised(m).to(torch.float32) for name, m in quantised_layers(trained).items()}
-    missing = [k for k in base if k not in plain.state_dict()]
-    if missing:
-        raise ModelError(f"cannot map the 4-bit layer {missing[0]} onto the plain model", file=spec)
-    plain.load_state_dict(base, strict=False)
-    plain = apply_lora(plain, lora_cfg)
-    set_peft_model_state_dict(plain, {k: v.float().cpu() for k, v in get_peft_model_state_dict(trained).items()})
-    return plain.merge_and_unload().eval()
+def dequantised_base(trained) -> dict[str, torch.Tensor]:
+    """The 4-bit layers' weights as the run trained with them, in fp32, by their names in the plain model: what
+    ``models.merged_plain_model`` merges the adapters into (the function that was trained)."""
+    return {f"{name}.weight": dequantised(m).to(torch.float32) for name, m in quantised_layers(trained).items()}

@@ -16,10 +16,13 @@ import torch
 
 from leansft.core import parallel
 from leansft.core.attention import choose_backend, use_packed_attention, use_plain_attention
+from leansft.core.bf16_base import store_base_in_bf16
+from leansft.core.collate import collate_packed, collate_padded
 from leansft.core.compile import compile_layers, wants_compile
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
+from leansft.core.forward import hidden_states
 from leansft.core.fused_layers import fuse_layers, restore_rotary
 from leansft.core.head import read_output_head
 from leansft.core.models import apply_lora, load_model, resolve_model_path, trainable_parameters
@@ -29,6 +32,8 @@ from leansft.core.verify import check_vocabulary, choose_strategy, probe_segment
 from leansft.recipe.batches import Batcher
 
 log = logging.getLogger("leansft")
+
+PROBE_TOKENS = 256  # tokens of the first example the bf16-base check runs
 
 
 def seed_everything(seed: int) -> None:
@@ -133,6 +138,27 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int) -
                     "(training.verify: refuse stops instead)", v.architecture, v.checks["packed"].reason)
         use_plain_attention(model)
     return chosen
+
+
+def store_frozen_base(cfg: RunConfig, model, data: TokenizedDataset, strategy: str, pad: int,
+                      device: torch.device, amp: torch.dtype | None) -> int:
+    """LoRA under bf16 autocast: the frozen base's linear weights stored in bf16 where the run's forward on the
+    first example stays bitwise the same (``core/bf16_base.py``); returns how many layers changed."""
+    t = cfg.training
+    if (t.method != "lora" or amp != torch.bfloat16 or not t.lora.bf16_base or t.lora.use_dora
+            or t.lora.init not in ("default", "gaussian") or len(data) == 0
+            or (parallel.world_size() > 1 and cfg.distributed.strategy == "fsdp")):
+        return 0
+    n = np.array([min(int(data.lengths[0]), PROBE_TOKENS)])
+    first = np.zeros(1, dtype=np.int64)
+    batch = (collate_packed(data, first, first, n) if strategy in PACKED_STRATEGIES
+             else collate_padded(data, first, pad, int(n[0]))).to(device)
+
+    def probe() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=amp):
+            return hidden_states(model, batch)
+
+    return store_base_in_bf16(model, probe)
 
 
 def build_optimizer(cfg: RunConfig, model, device: torch.device) -> torch.optim.Optimizer:

@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from leansft.core import parallel
@@ -87,9 +88,10 @@ class Evaluator:
                 log.warning("samples are not generated under FSDP (sharded weights); export and use leansft generate")
             return None
         e = self.cfg.eval
-        answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
-                           max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
-                           seed=self.cfg.training.seed)
+        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):  # as the run computes
+            answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
+                               max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+                               seed=self.cfg.training.seed)
         if parallel.rank() == 0:
             with (self.out / "samples.jsonl").open("a") as fh:
                 for p, a in zip(prompts, answers):

@@ -20,9 +20,9 @@ from leansft.core.errors import LeanSFTError
 from leansft.core.export import export
 from leansft.core.forward import LossModule
 from leansft.core.gguf_export import export_gguf
-from leansft.core.models import load_model, resolve_model_path
+from leansft.core.models import load_model, merged_plain_model, resolve_model_path
 from leansft.core.paths import default_cache_dir
-from leansft.core.quant import merged_plain_model
+from leansft.core.quant import dequantised_base
 from leansft.recipe.builders import build_model, model_location
 
 log = logging.getLogger("leansft")
@@ -42,7 +42,8 @@ def load_source(source: str):
         model, _ = build_model(cfg, torch.device("cpu"), False, model_path)
         ckpt.load_weights(path, LossModule(model))
         if cfg.training.method == "qlora":  # the adapters merged into the dequantised 4-bit base
-            model = merged_plain_model(model, model_path, cfg.training.lora, cfg.trust_remote_code)
+            model = merged_plain_model(model, model_path, cfg.training.lora, cfg.trust_remote_code,
+                                       dequantised_base(model))
         tokenizer = load_tokenizer(cfg.tokenizer or model_path, cfg.trust_remote_code)
         template = resolve_template(tokenizer, cfg.data.template)
         log.info("exporting checkpoint %s", path)

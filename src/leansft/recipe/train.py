@@ -23,6 +23,7 @@ import yaml
 from torch.profiler import record_function
 
 from leansft.core import parallel
+from leansft.core.bf16_base import holds_bf16_base
 from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
 from leansft.core.data.prepare import PreparedData, prepare_data
 from leansft.core.data.tokenizer import pad_id
@@ -31,9 +32,9 @@ from leansft.core.export import export, full_state_dict
 from leansft.core.forward import LossModule
 from leansft.core.grad_clip import clip_gradients
 from leansft.core.loss import normalise
-from leansft.core.models import trainable_parameters
+from leansft.core.models import merged_plain_model, trainable_parameters
 from leansft.core.neftune import NEFTune
-from leansft.core.quant import merged_plain_model
+from leansft.core.quant import dequantised_base
 from leansft.core.tied_embedding import share_tied_gradient
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
@@ -45,6 +46,7 @@ from leansft.recipe.builders import (
     model_location,
     pick_device,
     seed_everything,
+    store_frozen_base,
     verified_strategy,
 )
 from leansft.recipe.checkpointer import Checkpointer, resume_point
@@ -132,10 +134,11 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
     model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, model_path)
     cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
+    amp = autocast_dtype(cfg.training.precision, device)
+    store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad_id(data.tokenizer), device, amp)
     batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), cfg.training.seed,
                       rank, world)
     total_steps = count_steps(cfg, batcher)
-    amp = autocast_dtype(cfg.training.precision, device)
     neftune = NEFTune(model, cfg.training.neftune_noise_alpha) if cfg.training.neftune_noise_alpha else None
     tied = cfg.training.loss_backend == "chunked" and share_tied_gradient(model, device, world)
     loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune,
@@ -255,8 +258,11 @@ def export_final(cfg: RunConfig, model, loss_module, sharded: bool, data: Prepar
             plain.load_state_dict(full)
     if parallel.rank() == 0:
         if cfg.training.method == "qlora" and cfg.training.lora.merge_on_export:  # merged against the 4-bit weights
-            plain = merged_plain_model(plain, model_path, cfg.training.lora, cfg.trust_remote_code)
+            plain = merged_plain_model(plain, model_path, cfg.training.lora, cfg.trust_remote_code,
+                                       dequantised_base(plain))
             log.info("qlora: adapters merged into the dequantised 4-bit base weights (fp32 export)")
+        elif holds_bf16_base(plain) and cfg.training.lora.merge_on_export:  # into the fp32 base, not its bf16 copy
+            plain = merged_plain_model(plain, model_path, cfg.training.lora, cfg.trust_remote_code)
         export(plain, data.tokenizer, data.template, out / "final", cfg)
         log.info("exported %s", out / "final")
 

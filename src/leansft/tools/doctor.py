@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leansft.core.attention import use_plain_attention
+from leansft.core.bf16_base import holds_bf16_base
 from leansft.core.collate import collate_packed, collate_padded
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.prepare import prepare_data
@@ -30,7 +31,14 @@ from leansft.core.loss import normalise
 from leansft.core.memtrack import TensorMemoryTracker
 from leansft.core.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.recipe.batches import Batcher
-from leansft.recipe.builders import autocast_dtype, build_model, model_location, pick_device, seed_everything
+from leansft.recipe.builders import (
+    autocast_dtype,
+    build_model,
+    model_location,
+    pick_device,
+    seed_everything,
+    store_frozen_base,
+)
 from leansft.tools.memory import ModelShape, estimate_memory
 from leansft.tools.plan_report import template_summary
 from leansft.tools.show_mask import stop_summary
@@ -201,7 +209,8 @@ def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> 
     est = estimate_memory(ModelShape.from_config(model.config), batch.real_tokens, method=cfg.training.method,
                           precision="bf16" if amp else "fp32",
                           gradient_checkpointing=cfg.training.gradient_checkpointing,
-                          chunk_size=cfg.training.loss_chunk_size, lora_r=cfg.training.lora.r)
+                          chunk_size=cfg.training.loss_chunk_size, lora_r=cfg.training.lora.r,
+                          bf16_base=holds_bf16_base(model))
     act_est = sum(est["parts"][k] for k in ("weight_casts", "activations", "logits", "gradients"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -268,6 +277,7 @@ def run_checks(cfg: RunConfig) -> list[Check]:
         use_plain_attention(model)
     checks.append(check_positions(batcher))
     checks.append(check_normalisation(model, sample, device, batcher.packed, pad_id(tok)))
+    store_frozen_base(cfg, model, sample, strategy, pad_id(tok), device, amp)  # as train does, before step 1
     checks += check_memory_and_throughput(cfg, model, batcher, device, amp)
     return checks
 

@@ -3,9 +3,10 @@
 The model is described by its transformers config (hidden size, layers, heads, vocab, MLP width).
 Numbers are bytes. It is an estimate: allocator slack and framework buffers are not included.
 
-It describes what ``leansft train`` runs: every weight in fp32 (but QLoRA's 4-bit linear layers), and
-``precision: bf16`` as autocast, so fp32 gradients and AdamW moments with no master copy, plus the bf16
-copies autocast makes of the weights (``weight_casts``) and the fp32 residual stream between layers.
+It describes what ``leansft train`` runs: every weight in fp32 (but QLoRA's 4-bit linear layers, and LoRA's
+frozen linear layers under bf16, stored in bf16: ``core/bf16_base.py``), and ``precision: bf16`` as autocast, so
+fp32 gradients and AdamW moments with no master copy, plus the bf16 copies autocast makes of fp32 weights
+(``weight_casts``) and the fp32 residual stream between layers.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ def estimate_memory(
     chunked_loss: bool = True,
     chunk_size: int = 1024,
     lora_r: int = 16,
+    bf16_base: bool = True,
 ) -> dict:
     """Bytes by part for one micro-batch of ``tokens`` tokens, plus the dominant part. ``precision`` bf16 is
-    autocast (``training.precision`` bf16/auto on hardware with bf16 units)."""
+    autocast (``training.precision`` bf16/auto on hardware with bf16 units). ``bf16_base``: LoRA under bf16 holds
+    its frozen linear weights in bf16 (``training.lora.bf16_base``; False where the run keeps them in fp32)."""
     p = shape.params
     b = 2 if precision == "bf16" else 4  # activations' bytes
     linear = shape.layers * shape.linear_params_per_layer
@@ -89,6 +92,8 @@ def estimate_memory(
     casts = 0
     if precision == "bf16" and method == "full":  # autocast caches a trainable weight's cast for the whole step
         casts = 2 * (linear + shape.vocab * shape.hidden)
+    elif precision == "bf16" and method == "lora" and bf16_base:  # stored as the bf16 values autocast would cast
+        weights -= linear * 2
     elif precision == "bf16" and method == "lora":  # a frozen layer's cast is kept for its input gradient
         casts = 2 * (shape.linear_params_per_layer if gradient_checkpointing else linear)
     grads = trainable * 4

@@ -1,0 +1,72 @@
+"""LoRA's frozen base under bf16 autocast, stored as the bf16 values its matmuls use anyway.
+
+Why: autocast casts an fp32 weight to bf16 for every matmul, so a frozen base held in fp32 costs 4 bytes a
+parameter plus 2 for the bf16 copy each layer keeps until its backward: 6 in all, where 2 compute the same
+thing. Stored in bf16 the decoder's linear layers take 2 (Llama-3-8B LoRA: ~44 GB of weights and casts
+become ~15 GB), and the matmuls see the very same bf16 values.
+
+Exact or left alone: the run's own forward on a probe batch is computed before and after the change and must
+be bitwise equal (a model that casts its activations to a layer's weight dtype, or uses a weight outside
+autocast, would differ), else the fp32 weights are put back. Only frozen ``nn.Linear`` weights inside the
+decoder layers change (the embedding, the norms and the output layer are not all autocast's to cast). The
+export merges the adapters into the base as loaded from the model, in fp32, not into the bf16 copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from leansft.core.attention import decoder_of
+from leansft.core.fused_layers import forget_weight_casts
+
+log = logging.getLogger("leansft")
+
+_BF16_BASE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models whose base is stored in bf16
+
+
+def frozen_linears(model) -> list[torch.nn.Linear]:
+    """The decoder layers' ``nn.Linear`` modules with a frozen fp32 weight (LoRA's base layers among them)."""
+    layers = getattr(decoder_of(model), "layers", None) or []
+    return [m for layer in layers for m in layer.modules()
+            if type(m) is torch.nn.Linear and not m.weight.requires_grad and m.weight.dtype == torch.float32]
+
+
+def store_base_in_bf16(model, probe: Callable[[], torch.Tensor]) -> int:
+    """Store the frozen linear weights of ``model`` in bf16 if ``probe()`` (the run's forward under its bf16
+    autocast) gives bitwise the same result after as before; returns how many layers changed (0: none)."""
+    modules = frozen_linears(model)
+    if not modules:
+        return 0
+    was_training = model.training
+    model.eval()  # no dropout: the two probes must see the same computation
+    try:
+        with torch.no_grad():
+            before = probe()
+            fp32 = [m.weight for m in modules]
+            for m in modules:
+                m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
+            forget_weight_casts()  # the fused LoRA's cached casts of the fp32 weights: the weights are bf16 now
+            same = torch.equal(before, probe())
+    finally:
+        model.train(was_training)
+    if not same:
+        for m, w in zip(modules, fp32, strict=True):
+            m.weight = w
+        forget_weight_casts()
+        log.warning("frozen base kept in fp32: this model's forward under bf16 autocast changes when its linear "
+                    "weights are stored in bf16 (it uses a weight's dtype or a weight outside autocast)")
+        return 0
+    _BF16_BASE.add(model)
+    n = sum(m.weight.numel() for m in modules)
+    log.info("frozen base: %d linear layers stored in bf16, the values autocast multiplies with (%.2f GB; %.2f in "
+             "fp32 plus their casts before)", len(modules), n * 2 / 1e9, n * 6 / 1e9)
+    return len(modules)
+
+
+def holds_bf16_base(model) -> bool:
+    """Whether ``store_base_in_bf16`` changed ``model`` (its export then merges into the fp32 base as loaded)."""
+    return model in _BF16_BASE

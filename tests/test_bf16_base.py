@@ -1,0 +1,85 @@
+"""LoRA's frozen base stored in bf16 under bf16 autocast (``core/bf16_base.py``): the same run bit for bit, a third
+of the memory, refused where the model's forward would change."""
+
+from __future__ import annotations
+
+import logging
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import losses, run_config, tiny_model
+from safetensors.torch import load_file
+
+from leansft.core.bf16_base import frozen_linears, holds_bf16_base, store_base_in_bf16
+from leansft.core.config import LoraConfig
+from leansft.core.models import apply_lora
+from leansft.recipe.train import train
+
+
+def lora_model():
+    return apply_lora(tiny_model("llama"), LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+
+
+def probe_of(model, ids):
+    def probe():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=ids, use_cache=False).logits
+
+    return probe
+
+
+def test_the_frozen_linear_layers_go_to_bf16_and_compute_the_same():
+    model = lora_model()
+    ids = torch.randint(0, 512, (1, 48))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = model(input_ids=ids).logits
+    assert store_base_in_bf16(model, probe_of(model, ids)) == 2 * 7  # q k v o gate up down, two layers
+    assert holds_bf16_base(model)
+    assert all(m.weight.dtype == torch.bfloat16 for m in model.base_model.model.model.layers[0].modules()
+               if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad)
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n or "norm" in n
+               or "embed" in n or "lm_head" in n)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_a_model_that_uses_a_weight_outside_autocast_keeps_its_fp32_base(caplog):
+    """A forward that uses a weight outside autocast's matmuls (as DoRA's weight norm does) would change: the
+    fp32 weights are put back."""
+    model = lora_model()
+    mlp = model.base_model.model.model.layers[1].mlp
+    shipped = type(mlp).forward
+
+    def forward(self, x):
+        return shipped(self, x) * self.down_proj.base_layer.weight.norm(dim=1).mean()
+
+    mlp.forward = types.MethodType(forward, mlp)
+    weights = [m.weight for m in frozen_linears(model)]
+    with caplog.at_level(logging.WARNING, logger="leansft"):
+        assert store_base_in_bf16(model, probe_of(model, torch.randint(0, 512, (1, 48)))) == 0
+    assert "kept in fp32" in caplog.text and not holds_bf16_base(model)
+    assert [m.weight for m in frozen_linears(model)] == weights  # the very fp32 tensors, back in place
+    assert all(w.dtype == torch.float32 for w in weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["bfd", "sorted"])
+def test_a_lora_bf16_run_is_bitwise_the_fp32_base_run(tmp_path, tiny_run_assets, caplog, strategy):
+    runs = {}
+    for bf16_base in (True, False):
+        cfg = run_config(tmp_path / str(bf16_base), tiny_run_assets, "training.method=lora", "training.lora.r=4",
+                         "training.precision=bf16", f"training.lora.bf16_base={bf16_base}", "training.max_steps=3",
+                         f"batching.strategy={strategy}", "checkpoint.export=true", "data.eval_split=0.1",
+                         "eval.eval_every=3", "eval.samples_every=3", "eval.num_samples=1", "eval.max_new_tokens=4")
+        with caplog.at_level(logging.INFO, logger="leansft"):
+            train(cfg)
+        assert ("linear layers stored in bf16" in caplog.text) == bf16_base
+        caplog.clear()
+        runs[bf16_base] = Path(cfg.output_dir)
+    assert losses(runs[True]) == losses(runs[False])  # training, eval at step 3: every bit
+    # the export merges into the fp32 base as loaded, not into the bf16 copy
+    ours, theirs = (load_file(runs[b] / "final" / "model.safetensors") for b in (True, False))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert {t.dtype for t in ours.values()} == {torch.float32}
