@@ -2,8 +2,8 @@
 
 Why: autocast casts an fp32 weight to bf16 for every matmul, so a frozen base held in fp32 costs 4 bytes a
 parameter plus 2 for the bf16 copy each layer keeps until its backward: 6 in all, where 2 compute the same
-thing. Stored in bf16 the decoder's linear layers take 2 (Llama-3-8B LoRA: ~44 GB of weights and casts
-become ~15 GB), and the matmuls see the very same bf16 values.
+thing. Stored in bf16 the decoder's linear layers take 2 (Llama-3-8B LoRA: their 28 GB in fp32 and 14 GB of
+casts become 14 GB), and the matmuls see the very same bf16 values.
 
 Exact or left alone: the run's own forward on a probe batch is computed before and after the change and must
 be bitwise equal (a model that casts its activations to a layer's weight dtype, or uses a weight outside

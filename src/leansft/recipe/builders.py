@@ -18,7 +18,7 @@ from leansft.core import parallel
 from leansft.core.attention import choose_backend, use_packed_attention, use_plain_attention
 from leansft.core.bf16_base import store_base_in_bf16
 from leansft.core.collate import collate_packed, collate_padded
-from leansft.core.compile import compile_layers, wants_compile
+from leansft.core.compile import compile_layers, eager, wants_compile
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
@@ -154,8 +154,8 @@ def store_frozen_base(cfg: RunConfig, model, data: TokenizedDataset, strategy: s
     batch = (collate_packed(data, first, first, n) if strategy in PACKED_STRATEGIES
              else collate_padded(data, first, pad, int(n[0]))).to(device)
 
-    def probe() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=amp):
+    def probe() -> torch.Tensor:  # eager: compiled layers would compile a graph for this no-grad call alone
+        with torch.autocast(device.type, dtype=amp), eager():
             return hidden_states(model, batch)
 
     return store_base_in_bf16(model, probe)
