@@ -96,7 +96,7 @@ def test_training_equals_the_plain_model_trained_example_by_example(tmp_path, ti
     assets = dict(tiny_run_assets)
     if method == "full-tied":
         assets["model"] = tied_tiny_llama(tmp_path / "tied", tiny_run_assets["model"])
-    over = ["training.max_steps=4", "training.schedule=constant", "training.warmup_steps=0",
+    over = ["training.max_steps=3", "training.schedule=constant", "training.warmup_steps=0",
             "training.weight_decay=0.1", "training.max_grad_norm=0.15", f"batching.strategy={strategy}"]
     if method == "lora":
         over += ["training.method=lora", "training.lora.r=4", "training.lora.alpha=8"]
