@@ -99,10 +99,10 @@ def estimate_memory(
     grads = trainable * 4
     optimizer = trainable * 8  # AdamW: two fp32 moments
     per_layer = shape.activation_bytes_per_token_per_layer(b)
-    if gradient_checkpointing:  # each layer's input (the fp32 residual stream), one layer's inside
-        activations = tokens * (shape.layers * shape.hidden * 4 + per_layer)
-    else:
-        activations = tokens * shape.layers * per_layer
+    # under checkpointing: each layer's input (the fp32 residual stream), and one layer's inside at a time
+    with_checkpointing = tokens * (shape.layers * shape.hidden * 4 + per_layer)
+    without_checkpointing = tokens * shape.layers * per_layer
+    activations = with_checkpointing if gradient_checkpointing else without_checkpointing
     logits_bf16 = tokens * shape.vocab * 2
     logits_fp32 = tokens * shape.vocab * 4
     # chunked: one chunk's fp32 logits and their gradient live at once; a model's own loss keeps the logits, an
@@ -119,8 +119,8 @@ def estimate_memory(
         "parts": parts,
         "total": sum(parts.values()),
         "dominant": max(parts, key=parts.get),
-        "activations_with_checkpointing": tokens * (shape.layers * shape.hidden * 4 + per_layer),
-        "activations_without_checkpointing": tokens * shape.layers * per_layer,
+        "activations_with_checkpointing": with_checkpointing,
+        "activations_without_checkpointing": without_checkpointing,
         "logits_full_loss": full_logits,  # what a model's own (unchunked) loss holds, for comparison
         "logits_full_bf16": logits_bf16,
         "logits_full_fp32": logits_fp32,
