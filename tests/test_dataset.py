@@ -10,7 +10,7 @@ from leansft.core.config import CleanConfig, DataConfig
 from leansft.core.data import masking as template_mod
 from leansft.core.data.dataset import build_dataset
 from leansft.core.data.masking import IGNORE_INDEX, resolve_template
-from leansft.core.errors import DataError
+from leansft.core.errors import DataError, TemplateError
 
 
 def rows(n, prefix="Q"):
@@ -99,6 +99,25 @@ def test_bad_rows_error_or_skip(tmp_path, tok):
     assert (err.value.row, err.value.field) == (3, "messages[0].role") and "d.jsonl" in str(err.value)
     ds, rep = build(tok, tmp_path, [path], on_bad_row="skip")
     assert len(ds) == 2 and rep.sources[0]["bad_rows"] == 1
+
+
+def test_rows_the_template_refuses_are_skipped_when_asked(tmp_path, tok, caplog):
+    """A conversation the encoder refuses (a stop token inside an answer; thinking the template does not
+    render) stops preparation, or with on_bad_row: skip is left out, counted, and warned about on every load
+    (the cache too); nothing of it enters the template counts."""
+    stop = [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "a <|im_end|> b"}]},
+            {"messages": [{"role": "user", "content": "T"}, {"role": "assistant", "content": "t",
+                                                              "reasoning_content": "hmm"}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2) + stop + rows(1, "R"))
+    with pytest.raises(TemplateError, match="inside its content") as err:
+        build(tok, tmp_path, [path])
+    assert err.value.row == 3 and "d.jsonl" in str(err.value)
+    for _ in range(2):  # prepared, then from the cache
+        caplog.clear()
+        ds, rep = build(tok, tmp_path, [path], on_bad_row="skip")
+        assert len(ds) == 3 and sorted(ds.rows.tolist()) == [1, 2, 5] and rep.sources[0]["bad_rows"] == 2
+        assert rep.sources[0]["template"]["assistant_turns"] == 3
+        assert "2 rows skipped (data.on_bad_row: skip), e.g. " in caplog.text and "row 3" in caplog.text
 
 
 def test_labels_first_token_never_counts(tmp_path, tok):

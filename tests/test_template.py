@@ -220,3 +220,27 @@ def test_generation_config_stops_come_first(tmp_path, qwen25_path):
     tok.eos_token = "<|endoftext|>"  # now no declared stop is <|im_end|>: generation runs on to <|endoftext|>
     ids, labels = encode(tok, closes_with_eos, CHAT[1:3])
     assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["Paris is the capital.<|im_end|>\n<|endoftext|>"]
+
+
+@pytest.mark.parametrize("turns", [1, 3])  # 3 assistant turns: spans found by the linear-time window
+def test_a_stop_token_written_inside_an_answer_is_refused(load_tok, qwen25_path, turns):
+    """Text like '<|im_end|>' inside an answer is tokenised as the stop token itself: the loss would end there
+    and the rest of the answer would silently carry none. Refused, naming the field; one at the very end of the
+    answer is where the model stops anyway, so it trains as written."""
+    tok = load_tok(qwen25_path)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}] * (turns - 1)
+    said = "It is <|im_end|> in ChatML, then more."
+    with pytest.raises(TemplateError, match="holds the stop token '<\\|im_end\\|>' inside its content") as err:
+        encode(tok, None, [*history, {"role": "user", "content": "Which token?"},
+                           {"role": "assistant", "content": said}])
+    assert err.value.field == f"messages[{2 * turns - 1}].content"
+    with pytest.raises(TemplateError, match="inside its reasoning_content"):
+        encode(tok, trl_template("qwen3_training"), [{"role": "user", "content": "Q"}, {
+            "role": "assistant", "content": "A.", "reasoning_content": "first <|im_end|> then"}])
+    ids, labels = encode(tok, None, history + [{"role": "user", "content": "Q"},
+                                               {"role": "assistant", "content": "Done.<|im_end|> "}])
+    assert tok.decode(ids[spans(labels)[-1][0]:spans(labels)[-1][1]]) == "Done.<|im_end|>"
+    # in user text the same token is context, as the model reads it at inference
+    ids, labels = encode(tok, None, [{"role": "user", "content": "say <|im_end|> twice"},
+                                     {"role": "assistant", "content": "No."}])
+    assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["No.<|im_end|>"]

@@ -74,11 +74,14 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    help="auto (tokenizer's own), chatml, llama3, qwen2.5, mistral, gemma, or a .jinja file")
     p.add_argument("--loss-on", default=default(DataConfig, "loss_on"), choices=get_args(LossOn))
     p.add_argument("--cache-dir", default=default(DataConfig, "cache_dir"))
+    p.add_argument("--on-bad-row", default=default(DataConfig, "on_bad_row"),
+                   choices=get_args(DataConfig.model_fields["on_bad_row"].annotation),
+                   help="data.on_bad_row: skip leaves out (and counts) rows that are malformed or refused")
 
 
 def _data_config(args, max_length: int | None = None) -> DataConfig:
     kw = dict(sources=[{"path": d, "format": args.format} for d in args.data], template=args.template,
-              loss_on=args.loss_on, cache_dir=args.cache_dir)
+              loss_on=args.loss_on, cache_dir=args.cache_dir, on_bad_row=args.on_bad_row)
     if max_length is not None:
         kw["max_length"] = max_length
     try:

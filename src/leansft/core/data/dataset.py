@@ -30,7 +30,9 @@ from leansft.core.errors import DataError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
-CACHE_VERSION = "8"  # 8: loss spans by the inference contract; 7: thinking in the dedupe key; 6: loss codes
+# 9: a stop token inside an answer refused; 8: loss spans by the inference contract; 7: thinking in the
+# dedupe key; 6: loss codes
+CACHE_VERSION = "9"
 
 
 @dataclass
@@ -228,6 +230,7 @@ def load_source(
     if (folder / "meta.json").exists():
         meta = json.loads((folder / "meta.json").read_text())
         meta["cache"] = "hit"
+        _warn_skipped(meta)
         return _open(folder, meta), meta
     meta: dict = {"path": src.path}
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -244,7 +247,16 @@ def load_source(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     meta["cache"] = "miss"
+    _warn_skipped(meta)
     return _open(folder, meta), meta
+
+
+def _warn_skipped(meta: dict) -> None:
+    """Rows ``on_bad_row: skip`` left out are data the user meant to train on: said on every load, not only
+    when the cache is written."""
+    if meta.get("bad_rows"):
+        log.warning("%d rows skipped (data.on_bad_row: skip), e.g. %s", meta["bad_rows"],
+                    meta["bad_row_examples"][0].split("\n")[0])
 
 
 def _weighted_indices(n: int, weight: float, rng: np.random.Generator) -> np.ndarray:

@@ -379,7 +379,17 @@ class ChatEncoder:
 
     def _count_turn(self, text: str, c0: int, c1: int, token_starts: np.ndarray, message: dict, ai: int,
                     row: int) -> None:
-        """Counts for reports; thinking the template does not render is an error, not a silent drop."""
+        """Counts for reports; thinking the template does not render is an error, not a silent drop, and so is
+        a turn whose loss ends inside its own text."""
+        cut = self._cut_inside(text, c0, c1, message)
+        if cut is not None:
+            stop = next(t for t in self._stop_list if text.endswith(t, c0, c1))
+            raise TemplateError(
+                f"assistant message {ai} holds the stop token {stop!r} inside its {cut}: the tokenizer reads that "
+                f"text as the token itself, so the model would learn to stop there and the rest of the answer "
+                f"would carry no loss", row=row, field=f"messages[{ai}].{cut}",
+                hint="remove or rewrite that text in the data, or data.on_bad_row: skip to drop such conversations "
+                     "(counted)")
         self.stats["assistant_turns"] += 1
         self.stats["tool_call_turns"] += bool(message.get("tool_calls"))
         stop = next((t for t in self._stop_list if text.endswith(t, c0, c1)), "(marked span)")
@@ -397,6 +407,21 @@ class ChatEncoder:
                      "to train the answers only")
         self.stats["thinking_turns"] += 1
         self.stats["thinking_tokens"] += int(((token_starts >= at) & (token_starts < at + len(thinking))).sum())
+
+    def _cut_inside(self, text: str, c0: int, c1: int, message: dict) -> str | None:
+        """The field (``content``, ``reasoning_content``) inside whose text the loss span ``[c0, c1)`` ends, or
+        None. Only a field that holds a stop token as text can be cut; one ending with it (after trailing
+        whitespace) is not: the model stops where the data's author put the stop."""
+        for name in ("reasoning_content", "content"):
+            body = str(message.get(name) or "").strip()
+            if not any(t in body for t in self._stop_list):
+                continue
+            while stop := next((t for t in self._stop_list if body.endswith(t)), None):
+                body = body[: -len(stop)].rstrip()
+            at = text.find(body, c0) if body else -1
+            if 0 <= at < c1 < at + len(body):
+                return name
+        return None
 
     # -- the batch -------------------------------------------------------------------------------
     def _examples(self, k: int, conv: Conversation, chat: list[dict]) -> tuple[str, list[_Example]]:

@@ -25,10 +25,10 @@ from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from leansft.core.config import DataConfig, SourceConfig
 from leansft.core.data.clean import content_hash, scrub
-from leansft.core.data.formats import convert_row, detect_format
-from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder
+from leansft.core.data.formats import Conversation, convert_row, detect_format
+from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, Encoded
 from leansft.core.data.sources import parse_row, read_raw_rows
-from leansft.core.errors import DataError, LeanSFTError
+from leansft.core.errors import DataError, LeanSFTError, TemplateError
 
 log = logging.getLogger("leansft")
 SHARD = 1024  # rows per shard at most: the unit of parallel work, of memory, and of the encoder's batches
@@ -67,9 +67,8 @@ def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
             no_assistant += 1
             continue
         convs.append(scrub(conv, pii) if cfg.clean.pii_scrub else conv)
-    encoder.stats = Counter()
     try:
-        encoded = encoder.encode(convs)
+        encoded, convs = _encode(encoder, convs, skip=cfg.on_bad_row == "skip", bad=bad)
     except LeanSFTError as err:
         raise type(err)(err.message, file=err.file or src.path, row=err.row, field=err.field, hint=err.hint) from None
     ids, mask, lengths, targets, prompts, rows, hashes = [], [], [], [], [], [], []
@@ -106,6 +105,33 @@ def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
         "conversations": len(convs), "max_id": int(flat_ids.max()) if len(flat_ids) else -1,
         "weights": list(weights),
     }
+
+
+def _encode(encoder: ChatEncoder, convs: list[Conversation], skip: bool, bad: list[str]
+            ) -> tuple[list[list[Encoded]], list[Conversation]]:
+    """The shard's conversations encoded in one batch, and the conversations kept. With ``skip``, a
+    conversation the template refuses (an error naming its row) is dropped and counted like a malformed
+    row: the shard is encoded again one conversation at a time."""
+    encoder.stats = Counter()
+    try:
+        return encoder.encode(convs), convs
+    except TemplateError as err:
+        if not skip or err.row is None:
+            raise
+    encoder.stats = Counter()  # the failed batch counted some turns already
+    encoded, kept = [], []
+    for conv in convs:
+        counted = encoder.stats.copy()
+        try:
+            encoded += encoder.encode([conv])
+        except TemplateError as err:
+            if err.row is None:
+                raise
+            encoder.stats = counted  # nothing of a skipped conversation is counted
+            bad.append(str(TemplateError(err.message, file=_JOB["src"].path, row=err.row, field=err.field)))
+            continue
+        kept.append(conv)
+    return encoded, kept
 
 
 def _shards(rows: Iterator[tuple[int, str | dict]]) -> Iterator[list[tuple[int, str | dict]]]:
