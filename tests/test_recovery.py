@@ -241,6 +241,31 @@ def test_resume_checkpoint_from_an_older_format_is_refused(tmp_path, tiny_run_as
         train(cfg, resume="auto")
 
 
+def test_resume_with_a_changed_config_is_refused_unless_the_change_is_honoured(tmp_path, tiny_run_assets, reference,
+                                                                               caplog):
+    """A new learning rate would be silently lost (the optimizer state keeps the saved one) and a new micro-batch
+    size moves what the saved data position means: refused before anything is written. Logging and checkpoint
+    settings may change, and the resumed steps are then the uninterrupted run's, bit for bit."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    for later in ("step-4", "step-6"):
+        shutil.rmtree(run / "checkpoints" / later)
+    before = (run / "metrics.jsonl").read_bytes()
+    base = ("checkpoint.save_every=2", "checkpoint.keep_last=5")
+    cfg = run_config(tmp_path, tiny_run_assets, *base, "training.learning_rate=1e-3",
+                     "batching.tokens_per_micro_batch=256")
+    cfg.output_dir = str(run)
+    with pytest.raises(LeanSFTError, match="changed config: batching.tokens_per_micro_batch: 384 -> 256; "
+                                           "training.learning_rate: 0.003 -> 0.001"):
+        train(cfg, resume="auto")
+    assert (run / "metrics.jsonl").read_bytes() == before
+    cfg = run_config(tmp_path, tiny_run_assets, *base[:1], "checkpoint.keep_last=3", "logging.log_every=2")
+    cfg.output_dir = str(run)
+    train(cfg, resume="auto")
+    assert "checkpoint.keep_last: 5 -> 3; logging.log_every: 1 -> 2" in caplog.text
+    assert losses(run) == {k: v for k, v in losses(reference).items() if k in (1, 2, 4, 6)}
+
+
 def _newest_step(run: Path) -> int:
     """The step of the newest finished checkpoint in ``run`` (0 when none): renamed into place only when whole."""
     found = ckpt.list_checkpoints(run / "checkpoints")  # oldest first

@@ -13,6 +13,8 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import yaml
+
 from leansft.core import checkpoint as ckpt
 from leansft.core import parallel
 from leansft.core.config import RunConfig
@@ -21,6 +23,43 @@ from leansft.recipe.batches import Position
 from leansft.recipe.throughput import StepCounts
 
 log = logging.getLogger("leansft")
+
+# What a resumed run may change: execution choices that compute the same values, what is honoured from the
+# resume point on (a longer run, clipping, logging, eval, checkpoints), and the accumulation resume_point
+# keeps consistent. Anything else is refused: the optimizer and scheduler state would silently keep the saved
+# learning rate, betas and weight decay, and the saved data position means nothing in another data plan
+# (data, batching, seed), nor do the saved weights under another model or adapter setup.
+CHANGEABLE_ON_RESUME = (
+    "trust_remote_code", "eval.", "checkpoint.", "logging.", "distributed.", "batching.gradient_accumulation",
+    "training.max_steps", "training.epochs",
+    "training.precision", "training.compile", "training.fused_layers", "training.gradient_checkpointing",
+    "training.activation_offloading", "training.loss_chunk_size", "training.loss_backend", "training.attention",
+    "training.verify", "training.loss_spike_factor", "training.max_grad_norm", "training.neftune_noise_alpha",
+    "training.lora.bf16_base", "training.lora.merge_on_export", "training.qlora.compute_dtype",
+)
+NOT_COMPARED = ("output_dir", "data.cache_dir", "data.num_workers")  # where things are kept; preparation workers
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
+    """``(refused, allowed)``: the keys whose value differs between a checkpoint's config and this run's, as
+    ``key: saved -> now``. A key only one side has (another leansft version) is not compared."""
+    old, new = _flat(saved), _flat(now)
+    refused, allowed = [], []
+    for key in sorted(old.keys() & new.keys() - set(NOT_COMPARED)):
+        if old[key] != new[key]:
+            free = any(key == c or (c.endswith(".") and key.startswith(c)) for c in CHANGEABLE_ON_RESUME)
+            (allowed if free else refused).append(f"{key}: {old[key]!r} -> {new[key]!r}")
+    return refused, allowed
 
 
 @dataclass
@@ -82,11 +121,28 @@ class Checkpointer:
         """The state to continue from (a fresh one without ``path``) and the saved evaluator state."""
         if path is None:
             return TrainState(), {}
+        self._check_config(path)
         saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler)
         log.info("resumed from %s at step %d", path, saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
                            **{k: saved[k] for k in ("tokens_seen", "examples_seen", "target_tokens_seen")})
         return state, saved.get("evaluator", {})
+
+    def _check_config(self, path: Path) -> None:
+        """Refuse a resume whose config changes what the checkpoint's state means; log the changes allowed."""
+        saved_file = path / "config.yaml"
+        if not saved_file.exists():
+            return
+        refused, allowed = config_changes(yaml.safe_load(saved_file.read_text()) or {}, self.config_dict)
+        if refused:
+            raise LeanSFTError(
+                "resuming with a changed config: " + "; ".join(refused) + ". The change would be silently lost "
+                "(the optimizer and scheduler state keep the saved learning rate, betas and weight decay) or would "
+                "change what the saved weights and data position mean", file=str(path),
+                hint="resume with the run's own config (config.yaml in the checkpoint), or export the checkpoint "
+                     "(leansft export) and start a new run from it in another output_dir")
+        if allowed:
+            log.warning("resuming with changes from the checkpoint's config: %s", "; ".join(allowed))
 
     def should_save(self, step: int, done: bool) -> bool:
         every = self.cfg.checkpoint.save_every
