@@ -125,3 +125,21 @@ def test_labels_first_token_never_counts(tmp_path, tok):
     ds, _ = build(tok, tmp_path, [path])
     assert ds.target_counts[0] == ds.lengths[0] - 1
     assert (ds.flat()[1] != IGNORE_INDEX).all()
+
+
+def test_held_out_conversations_never_enter_training(tmp_path, tok):
+    """A source weighted 2.0 holds each example twice: the split is by conversation, so no copy of a held-out
+    example is trained on, and each is evaluated once. Without copies the split is the plain permutation."""
+    from leansft.core.data.prepare import split_eval
+
+    path = write_jsonl(tmp_path / "d.jsonl", rows(40))
+    once, _ = build(tok, tmp_path, [path])
+    twice, _ = build(tok, tmp_path, [{"path": path, "weight": 2.0}])
+    assert len(twice) == 2 * len(once) == 80
+    train, held = split_eval(twice, 0.25, seed=0)
+    assert len(held) == 10 and len(train) == 60
+    assert not set(held.index) & set(train.index) and len(set(held.index)) == len(held)
+    assert not set(held.hashes) & set(train.hashes)
+    train1, held1 = split_eval(once, 0.25, seed=0)
+    perm = np.random.default_rng(17).permutation(40)
+    assert held1.index.tolist() == sorted(perm[:10].tolist()) and len(train1) == 30

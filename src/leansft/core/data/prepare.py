@@ -27,12 +27,24 @@ class PreparedData:
 
 
 def split_eval(data: TokenizedDataset, fraction: float, seed: int) -> tuple[TokenizedDataset, TokenizedDataset | None]:
-    """Seeded held-out split; the eval rows never enter training."""
+    """Seeded held-out split of conversations: the examples of a held-out conversation never enter training.
+
+    A conversation is its content hash, so the copies a source weight > 1 makes, the per-turn examples of
+    one conversation and (with dedupe off) the same text at another row fall on the same side; a copy is
+    evaluated once. Conversations are numbered by first appearance, so without such groups the split is the
+    plain seeded permutation of examples."""
     if fraction <= 0:
         return data, None
-    n_eval = max(1, int(round(len(data) * fraction)))
-    perm = np.random.default_rng(seed + 17).permutation(len(data))
-    return data.select(np.sort(perm[n_eval:])), data.select(np.sort(perm[:n_eval]))
+    _, first, group = np.unique(data.hashes, return_index=True, return_inverse=True)
+    number = np.empty(len(first), dtype=np.int64)
+    number[np.argsort(first, kind="stable")] = np.arange(len(first))
+    held = np.zeros(len(first), dtype=bool)
+    n_eval = max(1, int(round(len(first) * fraction)))
+    held[np.random.default_rng(seed + 17).permutation(len(first))[:n_eval]] = True
+    out = held[number[group]]
+    evaluated = np.flatnonzero(out)
+    _, once = np.unique(data.index[evaluated], return_index=True)  # a weight's copies of one example: once
+    return data.select(np.flatnonzero(~out)), data.select(np.sort(evaluated[once]))
 
 
 def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncate: bool = True,
