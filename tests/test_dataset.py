@@ -143,3 +143,14 @@ def test_held_out_conversations_never_enter_training(tmp_path, tok):
     train1, held1 = split_eval(once, 0.25, seed=0)
     perm = np.random.default_rng(17).permutation(40)
     assert held1.index.tolist() == sorted(perm[:10].tolist()) and len(train1) == 30
+
+
+def test_an_eval_file_that_repeats_training_conversations_is_warned_about(tmp_path, tok, caplog):
+    from leansft.core.data.prepare import prepare_data
+
+    train_path = write_jsonl(tmp_path / "train.jsonl", rows(10))
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", rows(3)[1:] + rows(2, "E"))
+    cfg = DataConfig(sources=[train_path], eval_file=eval_path, cache_dir=str(tmp_path / "cache"))
+    data = prepare_data(cfg, tok.name_or_path)
+    assert len(data.eval) == 4
+    assert f"2 of 4 examples of eval_file {eval_path} are also in the training data" in caplog.text

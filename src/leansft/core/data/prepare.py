@@ -6,6 +6,7 @@ first under torchrun so the cache is built once) -> optional held-out split or e
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,8 @@ from leansft.core.config import DataConfig, SourceConfig
 from leansft.core.data.dataset import PrepReport, TokenizedDataset, build_dataset
 from leansft.core.data.masking import ChatTemplate, resolve_template
 from leansft.core.data.tokenizer import load_tokenizer
+
+log = logging.getLogger("leansft")
 
 
 @dataclass
@@ -64,4 +67,9 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
                                          sources=[SourceConfig(path=cfg.eval_file)])
     if holdout and eval_data is None:
         data, eval_data = split_eval(data, cfg.eval_split, seed)
+    elif eval_data is not None:
+        shared = np.isin(eval_data.hashes, data.hashes)
+        if shared.any():
+            log.warning("%d of %d examples of eval_file %s are also in the training data (same conversation): "
+                        "their held-out loss is not held out", int(shared.sum()), len(eval_data), cfg.eval_file)
     return PreparedData(tokenizer, template, data, eval_data, report)
