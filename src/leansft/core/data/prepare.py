@@ -42,7 +42,7 @@ def split_eval(data: TokenizedDataset, fraction: float, seed: int) -> tuple[Toke
     number = np.empty(len(first), dtype=np.int64)
     number[np.argsort(first, kind="stable")] = np.arange(len(first))
     held = np.zeros(len(first), dtype=bool)
-    n_eval = max(1, int(round(len(first) * fraction)))
+    n_eval = max(1, round(len(first) * fraction))
     held[np.random.default_rng(seed + 17).permutation(len(first))[:n_eval]] = True
     out = held[number[group]]
     evaluated = np.flatnonzero(out)
