@@ -266,6 +266,19 @@ def test_resume_with_a_changed_config_is_refused_unless_the_change_is_honoured(t
     assert losses(run) == {k: v for k, v in losses(reference).items() if k in (1, 2, 4, 6)}
 
 
+def test_resume_on_data_changed_since_is_refused(tmp_path, tiny_run_assets):
+    """The same config can read a data file that changed since the checkpoint: its position would point at
+    other examples, so the resume is refused."""
+    data = tmp_path / "data.jsonl"
+    shutil.copy(tiny_run_assets["data"], data)
+    assets = {**tiny_run_assets, "data": str(data)}
+    train(run_config(tmp_path, assets, "training.max_steps=2", "checkpoint.save_every=2"))
+    rows = data.read_text().splitlines()
+    data.write_text("\n".join(rows[1:] + rows[:1]) + "\n")  # the same rows, another order
+    with pytest.raises(LeanSFTError, match="training data differ from the checkpoint's"):
+        train(run_config(tmp_path, assets, "training.max_steps=4", "checkpoint.save_every=2"), resume="auto")
+
+
 def _newest_step(run: Path) -> int:
     """The step of the newest finished checkpoint in ``run`` (0 when none): renamed into place only when whole."""
     found = ckpt.list_checkpoints(run / "checkpoints")  # oldest first

@@ -112,16 +112,19 @@ def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int) -> t
 
 
 class Checkpointer:
-    def __init__(self, cfg: RunConfig, out: Path, root, optimizer, scheduler, sharded: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, out: Path, root, optimizer, scheduler, sharded: bool = False,
+                 data_fingerprint: str | None = None) -> None:
         self.folder = out / "checkpoints"
         self.cfg, self.root, self.optimizer, self.scheduler, self.sharded = cfg, root, optimizer, scheduler, sharded
         self.config_dict = cfg.model_dump(mode="json")
+        self.data_fingerprint = data_fingerprint  # the training data's (TokenizedDataset.fingerprint)
 
     def load(self, path: Path | None) -> tuple[TrainState, dict]:
         """The state to continue from (a fresh one without ``path``) and the saved evaluator state."""
         if path is None:
             return TrainState(), {}
         self._check_config(path)
+        self._check_data(path)
         saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler)
         log.info("resumed from %s at step %d", path, saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
@@ -144,6 +147,17 @@ class Checkpointer:
         if allowed:
             log.warning("resuming with changes from the checkpoint's config: %s", "; ".join(allowed))
 
+    def _check_data(self, path: Path) -> None:
+        """Refuse a resume on training data other than the checkpoint's: the same config can read a data file
+        that has changed since, and the saved position would then point at other examples."""
+        saved = json.loads((path / "state.json").read_text()).get("data_fingerprint")
+        if saved is not None and self.data_fingerprint is not None and saved != self.data_fingerprint:
+            raise LeanSFTError(
+                "the training data differ from the checkpoint's (a source file, the tokenizer, the template or "
+                "the cleaning changed since): its data position would point at other examples", file=str(path),
+                hint="resume with the data the run started with, or export the checkpoint (leansft export) and "
+                     "start a new run from it in another output_dir")
+
     def should_save(self, step: int, done: bool) -> bool:
         every = self.cfg.checkpoint.save_every
         return done or bool(every and step % every == 0)
@@ -155,7 +169,8 @@ class Checkpointer:
         extra = state.as_dict()
         step = extra.pop("step")
         extra.update(eval_loss=evaluator.get("last_eval_loss"), evaluator=evaluator,
-                     gradient_accumulation=self.cfg.batching.gradient_accumulation)
+                     gradient_accumulation=self.cfg.batching.gradient_accumulation,
+                     data_fingerprint=self.data_fingerprint)
         ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra, self.config_dict,
                              self.sharded)
         if parallel.rank() == 0:

@@ -146,7 +146,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                                 cfg.distributed.strategy, device, mixed_precision=amp is not None)
     sharded = world > 1 and cfg.distributed.strategy == "fsdp"
     engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
-    checkpointer = Checkpointer(cfg, out, loss_module, engine.optimizer, engine.scheduler, sharded)
+    checkpointer = Checkpointer(cfg, out, loss_module, engine.optimizer, engine.scheduler, sharded,
+                                data.train.fingerprint())
     state, evaluator_state = checkpointer.load(resume_from)
     start_run_folder(cfg, out, data, state.step)
     trackers = Trackers(cfg, out, enabled=rank == 0)

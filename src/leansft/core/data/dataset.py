@@ -109,6 +109,14 @@ class TokenizedDataset:
     def hashes(self) -> np.ndarray:
         return self.store.hashes[self.index]
 
+    def fingerprint(self) -> str:
+        """A hash of which conversations, in which order, cut to which lengths: what a saved data position
+        points into. Changes when a source file, the tokenizer or template (lengths) or the cleaning changes."""
+        h = hashlib.blake2b(digest_size=16)
+        for array in (self.hashes, self.lengths, self.store.targets[self.index]):
+            h.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+        return h.hexdigest()
+
     @property
     def max_token_id(self) -> int:
         return self.store.max_id
