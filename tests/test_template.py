@@ -244,3 +244,18 @@ def test_a_stop_token_written_inside_an_answer_is_refused(load_tok, qwen25_path,
     ids, labels = encode(tok, None, [{"role": "user", "content": "say <|im_end|> twice"},
                                      {"role": "assistant", "content": "No."}])
     assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["No.<|im_end|>"]
+
+
+def test_a_tool_call_the_template_drops_is_refused(load_tok, qwen25_path):
+    """Without tool definitions nothing flagged a template that drops tool calls: the turn trained as an empty
+    answer. A tool call must be in the turn the model generates, before its stop token."""
+    tok = load_tok(qwen25_path)
+    call = {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    chat = [{"role": "user", "content": "Weather in Paris?"}, call, {"role": "tool", "content": "21"},
+            {"role": "assistant", "content": "It is 21 degrees."}]
+    with pytest.raises(TemplateError, match="does not write the tool calls of message 1") as err:
+        encode(tok, "chatml", chat)
+    assert err.value.field == "messages[1].tool_calls"
+    ids, labels = encode(tok, "examples/templates/chatml_tools.jinja", chat)
+    assert "get_weather" in tok.decode(ids[spans(labels)[0][0]:spans(labels)[0][1]])

@@ -390,6 +390,16 @@ class ChatEncoder:
                 f"would carry no loss", row=row, field=f"messages[{ai}].{cut}",
                 hint="remove or rewrite that text in the data, or data.on_bad_row: skip to drop such conversations "
                      "(counted)")
+        names = [(call.get("function") or call).get("name") for call in message.get("tool_calls") or []]
+        dropped = [name for name in names if name and name not in text[c0:c1]]
+        if dropped:
+            raise TemplateError(
+                f"chat template '{self.template.name}' does not write the tool calls of message {ai} into the turn "
+                f"the model generates (e.g. '{dropped[0]}' is not there before its stop token): the model would "
+                f"learn the turn without its tool call",
+                row=row, field=f"messages[{ai}].tool_calls",
+                hint="use the model's own chat template with tool support (examples/templates/chatml_tools.jinja "
+                     "for ChatML models)")
         self.stats["assistant_turns"] += 1
         self.stats["tool_call_turns"] += bool(message.get("tool_calls"))
         stop = next((t for t in self._stop_list if text.endswith(t, c0, c1)), "(marked span)")
