@@ -259,3 +259,18 @@ def test_a_tool_call_the_template_drops_is_refused(load_tok, qwen25_path):
     assert err.value.field == "messages[1].tool_calls"
     ids, labels = encode(tok, "examples/templates/chatml_tools.jinja", chat)
     assert "get_weather" in tok.decode(ids[spans(labels)[0][0]:spans(labels)[0][1]])
+
+
+@pytest.mark.parametrize("role", ["system", "tool"])
+def test_a_system_message_or_tool_result_the_template_drops_is_refused(load_tok, qwen25_path, role):
+    """The answer after a dropped tool result would be trained without what it answers from."""
+    tok = load_tok(qwen25_path)
+    user_and_assistant_only = ("{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}{{ '<|im_start|>' + "
+                               "m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+                               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    chat = [{"role": "user", "content": "Weather?"}, {"role": role, "content": '{"temp": 21}'},
+            {"role": "assistant", "content": "It is 21 degrees."}]
+    with pytest.raises(TemplateError, match=f"does not render the {'tool result' if role == 'tool' else 'system'}"):
+        encode(tok, user_and_assistant_only, chat)
+    ids, labels = encode(tok, None, chat)  # Qwen2.5's own renders both
+    assert tok.decode(ids[spans(labels)[-1][0]:spans(labels)[-1][1]]) == "It is 21 degrees.<|im_end|>"

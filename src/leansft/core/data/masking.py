@@ -222,6 +222,20 @@ class ChatEncoder:
                 row=row, field="tools",
                 hint="use the model's own chat template with tool support, or drop the tools column")
 
+    def _check_context(self, text: str, chat: list[dict], row: int) -> None:
+        """Tool results and system messages a template does not render are an error: the answers after them
+        would be trained without what they answer from. (Templates write a result raw or as a JSON string.)"""
+        for i, m in enumerate(chat):
+            content = m.get("content")
+            if m["role"] not in ("tool", "system") or not isinstance(content, str) or not content.strip():
+                continue
+            if content.strip() not in text and json.dumps(content.strip())[1:-1] not in text:
+                what = "tool result" if m["role"] == "tool" else "system message"
+                raise TemplateError(
+                    f"chat template '{self.template.name}' does not render the {what} of message {i}: the answers "
+                    f"after it would be trained without it", row=row, field=f"messages[{i}].content",
+                    hint="use the model's own chat template" + (" with tool support" if m["role"] == "tool" else ""))
+
     def _loss_turns(self, chat: list[dict], messages: list[dict]) -> list[int]:
         """The assistant messages that carry loss: trained ones (``"train": false`` / ``"weight": 0`` do not),
         only the last one with ``loss_on: last_assistant``."""
@@ -488,6 +502,7 @@ class ChatEncoder:
             chat = self._for_template(conv)
             full, found = self._examples(i, conv, chat)
             self._check_tools(full, conv.tools, conv.row)
+            self._check_context(full, chat, conv.row)
             self.stats["conversations"] += 1
             self.stats["tool_results"] += sum(m["role"] == "tool" for m in chat)
             wholes[i] = full
