@@ -154,3 +154,20 @@ def test_an_eval_file_that_repeats_training_conversations_is_warned_about(tmp_pa
     data = prepare_data(cfg, tok.name_or_path)
     assert len(data.eval) == 4
     assert f"2 of 4 examples of eval_file {eval_path} are also in the training data" in caplog.text
+
+
+def test_the_run_says_what_it_trains_on_and_what_cutting_loses(tmp_path, tok, caplog):
+    from leansft.core.data.prepare import prepare_data
+    from leansft.recipe.train import log_data
+
+    long_answer = [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "word " * 60}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows(9) + rows(1) + long_answer)
+    cfg = DataConfig(sources=[path], cache_dir=str(tmp_path / "cache"), max_length=40, eval_split=0.2)
+    data = prepare_data(cfg, tok.name_or_path)
+    assert data.summary() == "8 training examples, 2 held out; 1 duplicates removed; 1 cut at max_length"
+    whole = int(data.train.store.targets[data.train.index].sum())
+    assert 0 < data.lost_target_share() == 1 - int(data.train.target_counts.sum()) / whole
+    caplog.set_level("INFO", "leansft")
+    log_data(data, 40)
+    assert "data: 8 training examples" in caplog.text
+    assert f"cutting 1 examples at data.max_length 40 loses {100 * data.lost_target_share():.1f}%" in caplog.text

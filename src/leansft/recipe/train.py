@@ -131,6 +131,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,
                         truncate=cfg.batching.strategy not in SPLITTING_STRATEGIES,
                         trust_remote_code=cfg.trust_remote_code)
+    log_data(data, cfg.data.max_length)
     seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
     model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, model_path)
     cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
@@ -192,6 +193,17 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stop.requested)
     parallel.barrier()
     return {**(last or {}), "stopped": stop.requested}
+
+
+def log_data(data: PreparedData, max_length: int) -> None:
+    """What the run trains on, and a warning when cutting at max_length loses answer tokens."""
+    if parallel.rank() != 0:
+        return
+    log.info("data: %s", data.summary())
+    lost = data.lost_target_share() if data.report.truncated else 0.0
+    if lost > 0:
+        log.warning("cutting %d examples at data.max_length %d loses %.1f%% of the training target tokens "
+                    "(`leansft plan` recommends a max_length)", data.report.truncated, max_length, 100 * lost)
 
 
 def check_output_dir(path: str) -> Path:

@@ -28,6 +28,24 @@ class PreparedData:
     eval: TokenizedDataset | None
     report: PrepReport
 
+    def summary(self) -> str:
+        """One line for the run's log: examples trained and held out, and what cleaning removed or cut."""
+        r = self.report
+        parts = [f"{len(self.train):,} training examples"
+                 + (f", {len(self.eval):,} held out" if self.eval is not None else "")]
+        for count, what in ((r.duplicates_removed, "duplicates removed"),
+                            (r.too_short + r.too_long, "outside clean.min_tokens/max_tokens removed"),
+                            (r.dropped_over_length, "longer than max_length dropped"),
+                            (r.truncated, "cut at max_length"), (r.no_target_tokens, "without target tokens removed")):
+            if count:
+                parts.append(f"{count:,} {what}")
+        return "; ".join(parts)
+
+    def lost_target_share(self) -> float:
+        """The share of the training examples' target tokens that cutting at max_length removed."""
+        whole = int(self.train.store.targets[self.train.index].sum())
+        return 1 - int(self.train.target_counts.sum()) / whole if whole else 0.0
+
 
 def split_eval(data: TokenizedDataset, fraction: float, seed: int) -> tuple[TokenizedDataset, TokenizedDataset | None]:
     """Seeded held-out split of conversations: the examples of a held-out conversation never enter training.
