@@ -393,27 +393,9 @@ class ChatEncoder:
 
     def _count_turn(self, text: str, c0: int, c1: int, token_starts: np.ndarray, message: dict, ai: int,
                     row: int) -> None:
-        """Counts for reports; thinking the template does not render is an error, not a silent drop, and so is
-        a turn whose loss ends inside its own text."""
-        cut = self._cut_inside(text, c0, c1, message)
-        if cut is not None:
-            stop = next(t for t in self._stop_list if text.endswith(t, c0, c1))
-            raise TemplateError(
-                f"assistant message {ai} holds the stop token {stop!r} inside its {cut}: the tokenizer reads that "
-                f"text as the token itself, so the model would learn to stop there and the rest of the answer "
-                f"would carry no loss", row=row, field=f"messages[{ai}].{cut}",
-                hint="remove or rewrite that text in the data, or data.on_bad_row: skip to drop such conversations "
-                     "(counted)")
-        names = [(call.get("function") or call).get("name") for call in message.get("tool_calls") or []]
-        dropped = [name for name in names if name and name not in text[c0:c1]]
-        if dropped:
-            raise TemplateError(
-                f"chat template '{self.template.name}' does not write the tool calls of message {ai} into the turn "
-                f"the model generates (e.g. '{dropped[0]}' is not there before its stop token): the model would "
-                f"learn the turn without its tool call",
-                row=row, field=f"messages[{ai}].tool_calls",
-                hint="use the model's own chat template with tool support (examples/templates/chatml_tools.jinja "
-                     "for ChatML models)")
+        """Counts for reports, once ``_check_turn`` has passed; thinking the template does not render is an
+        error, not a silent drop."""
+        self._check_turn(text, c0, c1, message, ai, row)
         self.stats["assistant_turns"] += 1
         self.stats["tool_call_turns"] += bool(message.get("tool_calls"))
         stop = next((t for t in self._stop_list if text.endswith(t, c0, c1)), "(marked span)")
@@ -431,6 +413,27 @@ class ChatEncoder:
                      "to train the answers only")
         self.stats["thinking_turns"] += 1
         self.stats["thinking_tokens"] += int(((token_starts >= at) & (token_starts < at + len(thinking))).sum())
+
+    def _check_turn(self, text: str, c0: int, c1: int, message: dict, ai: int, row: int) -> None:
+        """The loss span ``[c0, c1)`` must hold the whole turn the data give: not end inside the message's own
+        text (a stop token written in it), and hold its tool calls (not dropped, not after the stop)."""
+        cut = self._cut_inside(text, c0, c1, message)
+        names = [(call.get("function") or call).get("name") for call in message.get("tool_calls") or []]
+        dropped = [name for name in names if name and name not in text[c0:c1]]
+        if cut is not None:
+            stop = next(t for t in self._stop_list if text.endswith(t, c0, c1))
+            why, field = (f"assistant message {ai} holds the stop token {stop!r} inside its {cut}: the tokenizer "
+                          f"reads that text as the token itself, so the model would learn to stop there and the "
+                          f"rest of the answer would carry no loss"), cut
+            hint = "remove or rewrite that text in the data, or data.on_bad_row: skip to drop such conversations"
+        elif dropped:
+            why, field = (f"chat template '{self.template.name}' does not write the tool calls of message {ai} into "
+                          f"the turn the model generates (e.g. '{dropped[0]}' is not there before its stop token): "
+                          f"the model would learn the turn without its tool call"), "tool_calls"
+            hint = "use the model's own chat template with tool support (examples/templates/chatml_tools.jinja)"
+        else:
+            return
+        raise TemplateError(why, row=row, field=f"messages[{ai}].{field}", hint=hint)
 
     def _cut_inside(self, text: str, c0: int, c1: int, message: dict) -> str | None:
         """The field (``content``, ``reasoning_content``) inside whose text the loss span ``[c0, c1)`` ends, or
