@@ -87,7 +87,7 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
         data, eval_data = split_eval(data, cfg.eval_split, seed)
     elif eval_data is not None:
         shared = np.isin(eval_data.hashes, data.hashes)
-        if shared.any():
+        if shared.any() and parallel.rank() == 0:
             log.warning("%d of %d examples of eval_file %s are also in the training data (same conversation): "
                         "their held-out loss is not held out", int(shared.sum()), len(eval_data), cfg.eval_file)
     return PreparedData(tokenizer, template, data, eval_data, report)
