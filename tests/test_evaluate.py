@@ -123,3 +123,24 @@ def test_eval_and_generate_commands(tmp_path, tiny_run_assets, capsys):
     assert main(["generate", tiny_run_assets["model"], "--prompt", "Hi", "--max-new-tokens", "3",
                  "--temperature", "0"]) == 0
     assert "perplexity" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_eval_and_generate_read_a_run_folder_as_export_does(tmp_path, tiny_run_assets, capsys):
+    """`leansft eval RUN` and `generate RUN` read the run's newest checkpoint (LoRA merged, the run's template),
+    like `export`: the same loss and answer as its exported final/ folder."""
+    cfg = run_config(tmp_path, tiny_run_assets, "training.method=lora", "training.max_steps=2",
+                     "checkpoint.export=true", "training.learning_rate=1e-2")
+    train(cfg)
+    run = Path(cfg.output_dir)
+    results, answers = [], []
+    for source in (run, run / "final"):
+        out = tmp_path / "eval.json"
+        assert main(["eval", str(source), "--data", tiny_run_assets["data"], "--max-length", "128",
+                     "--cache-dir", str(tmp_path / "c"), "--json", str(out)]) == 0
+        results.append(json.loads(out.read_text()))
+        capsys.readouterr()
+        assert main(["generate", str(source), "--prompt", "Hi", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+        answers.append(capsys.readouterr().out)
+    assert results[0]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-5)
+    assert results[0]["eval_targets"] == results[1]["eval_targets"] and answers[0] == answers[1]

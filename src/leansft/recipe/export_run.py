@@ -46,7 +46,7 @@ def load_source(source: str):
                                        dequantised_base(model))
         tokenizer = load_tokenizer(cfg.tokenizer or model_path, cfg.trust_remote_code)
         template = resolve_template(tokenizer, cfg.data.template)
-        log.info("exporting checkpoint %s", path)
+        log.info("reading checkpoint %s", path)
     else:  # what train takes as model: a folder, a .gguf (converted once), pkg:, a Hub id
         folder = resolve_model_path(source, default_cache_dir())
         if Path(folder).is_dir() and not (Path(folder) / "config.json").is_file():

@@ -169,9 +169,14 @@ def cmd_eval(args) -> int:
     from leansft.core.attention import VARLEN, use_packed_attention
     from leansft.core.data.prepare import prepare_data
     from leansft.core.evaluation import evaluate
+    from leansft.recipe.builders import model_location
 
-    model = _load_model(args.model)
-    prep = prepare_data(_data_config(args, args.max_length), args.model, holdout=False)
+    model, _, _, cfg = _source(args)
+    data_cfg = _data_config(args, args.max_length)
+    if cfg is not None and args.template is None:  # a run or checkpoint: its own template
+        data_cfg.template = cfg.data.template
+    tokenizer_spec = args.model if cfg is None else cfg.tokenizer or model_location(cfg)
+    prep = prepare_data(data_cfg, tokenizer_spec, holdout=False)
     use_packed_attention(model, VARLEN)
     result = evaluate(model, prep.train, args.max_length, max(args.max_length, default(BatchingConfig,
                                                                                          "tokens_per_micro_batch")))
@@ -204,20 +209,21 @@ def cmd_doctor(args) -> int:
     return run_doctor(load_config(args.config, args.overrides), json_out=args.json)
 
 
-def _load_model(spec: str):
-    import torch
+def _source(args):
+    """(model, tokenizer, template, run config or None) of what ``args.model`` names, read as ``export`` reads
+    it: a run folder (its newest checkpoint), a checkpoint (LoRA merged), or a model. An explicit
+    ``--template`` wins over the run's own."""
+    from leansft.core.data.masking import resolve_template
+    from leansft.recipe.export_run import load_source
 
-    from leansft.core.models import load_model
-
-    return load_model(spec, torch.float32)
+    model, tok, template, cfg = load_source(args.model)
+    if args.template is not None or template is None:
+        template = resolve_template(tok, args.template)
+    return model, tok, template, cfg
 
 
 def _inference(args):
-    from leansft.core.data.masking import resolve_template
-    from leansft.core.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(args.model)
-    return _load_model(args.model), tok, resolve_template(tok, args.template)
+    return _source(args)[:3]
 
 
 def _sampling(args) -> dict:
@@ -284,7 +290,8 @@ def cmd_lm_eval(args) -> int:
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="an exported model folder (OUTPUT_DIR/final) or any HF model folder")
+    p.add_argument("model", help="a run folder (its newest checkpoint), a checkpoint, or a model folder such as "
+                                 "OUTPUT_DIR/final, as for export")
     p.add_argument("--template", default=default(DataConfig, "template"))
     p.add_argument("--max-new-tokens", type=_positive, default=default(EvalConfig, "max_new_tokens"))
     p.add_argument("--temperature", type=float, default=default(EvalConfig, "temperature"))
@@ -349,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
 
     e = sub.add_parser("eval", help="held-out loss, perplexity and token accuracy of a model on a data file")
-    e.add_argument("model")
+    e.add_argument("model", help="a run folder (its newest checkpoint), a checkpoint or a model, as for export")
     _add_data_args(e)
     e.add_argument("--max-length", type=_positive, default=default(DataConfig, "max_length"))
     e.add_argument("--json", default=None)
