@@ -171,3 +171,13 @@ def test_the_run_says_what_it_trains_on_and_what_cutting_loses(tmp_path, tok, ca
     log_data(data, 40)
     assert "data: 8 training examples" in caplog.text
     assert f"cutting 1 examples at data.max_length 40 loses {100 * data.lost_target_share():.1f}%" in caplog.text
+
+
+def test_plan_takes_on_bad_row(tmp_path, tiny_bpe_path, capsys):
+    from leansft.tools.cli import main
+
+    bad = [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "a <|im_end|> b"}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows(3) + bad)
+    common = ["plan", "--data", path, "--tokenizer", tiny_bpe_path, "--cache-dir", str(tmp_path / "c")]
+    assert main(common) == 2 and "inside its content" in capsys.readouterr().err
+    assert main([*common, "--on-bad-row", "skip"]) == 0 and "3 examples" in capsys.readouterr().out
