@@ -21,6 +21,7 @@ from leansft.core.config import RunConfig
 from leansft.core.errors import LeanSFTError
 from leansft.recipe.batches import Position
 from leansft.recipe.throughput import StepCounts
+from leansft.recipe.trackers import flatten
 
 log = logging.getLogger("leansft")
 
@@ -40,20 +41,10 @@ CHANGEABLE_ON_RESUME = (
 NOT_COMPARED = ("output_dir", "data.cache_dir", "data.num_workers")  # where things are kept; preparation workers
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
     """``(refused, allowed)``: the keys whose value differs between a checkpoint's config and this run's, as
     ``key: saved -> now``. A key only one side has (another leansft version) is not compared."""
-    old, new = _flat(saved), _flat(now)
+    old, new = flatten(saved), flatten(now)
     refused, allowed = [], []
     for key in sorted(old.keys() & new.keys() - set(NOT_COMPARED)):
         if old[key] != new[key]:
@@ -124,8 +115,8 @@ class Checkpointer:
         if path is None:
             return TrainState(), {}
         self._check_config(path)
-        self._check_data(path)
         saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler)
+        self._check_data(path, saved.get("data_fingerprint"))
         log.info("resumed from %s at step %d", path, saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
                            **{k: saved[k] for k in ("tokens_seen", "examples_seen", "target_tokens_seen")})
@@ -147,10 +138,10 @@ class Checkpointer:
         if allowed:
             log.warning("resuming with changes from the checkpoint's config: %s", "; ".join(allowed))
 
-    def _check_data(self, path: Path) -> None:
-        """Refuse a resume on training data other than the checkpoint's: the same config can read a data file
-        that has changed since, and the saved position would then point at other examples."""
-        saved = json.loads((path / "state.json").read_text()).get("data_fingerprint")
+    def _check_data(self, path: Path, saved: str | None) -> None:
+        """Refuse a resume on training data other than the checkpoint's (``saved``: its fingerprint): the same
+        config can read a data file that has changed since, and the saved position would then point at other
+        examples."""
         if saved is not None and self.data_fingerprint is not None and saved != self.data_fingerprint:
             raise LeanSFTError(
                 "the training data differ from the checkpoint's (a source file, the tokenizer, the template or "

@@ -68,7 +68,7 @@ def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
             continue
         convs.append(scrub(conv, pii) if cfg.clean.pii_scrub else conv)
     try:
-        encoded, convs = _encode(encoder, convs, skip=cfg.on_bad_row == "skip", bad=bad)
+        encoded, convs = _encode(encoder, convs, src.path, skip=cfg.on_bad_row == "skip", bad=bad)
     except LeanSFTError as err:
         raise type(err)(err.message, file=err.file or src.path, row=err.row, field=err.field, hint=err.hint) from None
     ids, mask, lengths, targets, prompts, rows, hashes = [], [], [], [], [], [], []
@@ -107,7 +107,7 @@ def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
     }
 
 
-def _encode(encoder: ChatEncoder, convs: list[Conversation], skip: bool, bad: list[str]
+def _encode(encoder: ChatEncoder, convs: list[Conversation], path: str, skip: bool, bad: list[str]
             ) -> tuple[list[list[Encoded]], list[Conversation]]:
     """The shard's conversations encoded in one batch, and the conversations kept. With ``skip``, a
     conversation the template refuses (an error naming its row) is dropped and counted like a malformed
@@ -128,7 +128,7 @@ def _encode(encoder: ChatEncoder, convs: list[Conversation], skip: bool, bad: li
             if err.row is None:
                 raise
             encoder.stats = counted  # nothing of a skipped conversation is counted
-            bad.append(str(TemplateError(err.message, file=_JOB["src"].path, row=err.row, field=err.field)))
+            bad.append(str(TemplateError(err.message, file=path, row=err.row, field=err.field)))
             continue
         kept.append(conv)
     return encoded, kept
