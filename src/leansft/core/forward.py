@@ -9,17 +9,22 @@ from leansft.core.collate import PackedBatch, PaddedBatch
 from leansft.core.errors import ConfigError, ModelError
 from leansft.core.head import read_output_head
 from leansft.core.loss import chunked_loss, liger_loss
+from leansft.core.per_example_rope import batch_lengths, per_example_rope
 
 
 def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    if isinstance(batch, PackedBatch):
-        return packed_forward(model, batch)
-    impl = model.config._attn_implementation
-    if impl.startswith("leansft"):
-        raise ModelError("padded batches need a padding-aware attention implementation (sdpa), not " + impl)
-    out = decoder_of(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids, use_cache=False)
-    return out.last_hidden_state
+    """Final hidden states of every token; rotary embeddings that depend on the sequence length are computed
+    for each example as it runs alone (``core/per_example_rope.py``)."""
+    per_example_rope(model)
+    with batch_lengths(batch):
+        if isinstance(batch, PackedBatch):
+            return packed_forward(model, batch)
+        impl = model.config._attn_implementation
+        if impl.startswith("leansft"):
+            raise ModelError("padded batches need a padding-aware attention implementation (sdpa), not " + impl)
+        out = decoder_of(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                position_ids=batch.position_ids, use_cache=False)
+        return out.last_hidden_state
 
 
 def loss_of(model, batch, hidden: torch.Tensor, chunk_size: int, backend: str = "chunked",
