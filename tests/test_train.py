@@ -233,3 +233,22 @@ def test_tokenizer_larger_than_the_model_is_a_clear_error(tmp_path, tiny_run_ass
 def test_flex_attention_cannot_train_on_the_cpu(tmp_path, tiny_run_assets):
     with pytest.raises(ConfigError, match="flex.*CPU"):
         train(run_config(tmp_path, tiny_run_assets, "training.attention=flex"))
+
+
+def test_examples_past_a_learned_position_table_are_refused_before_step_1(tmp_path, tiny_run_assets, tiny_bpe_path):
+    """GPT-2's 64-position table and examples of up to 192 tokens: refused naming max_length, not an IndexError
+    in the middle of the run (a device assert on CUDA); within the table it trains."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    folder = tmp_path / "gpt2"
+    tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tok), n_positions=64)
+                       ).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = run_config(tmp_path / "a", tiny_run_assets, f"model={folder}", "training.max_steps=1")
+    with pytest.raises(LeanSFTError, match="examples of 192 tokens .* position embeddings for 64 positions") as err:
+        train(cfg)
+    assert "data.max_length to 64" in str(err.value)
+    assert not (Path(cfg.output_dir) / "metrics.jsonl").exists()
+    assert train(run_config(tmp_path / "b", tiny_run_assets, f"model={folder}", "training.max_steps=1",
+                            "data.max_length=64"))["step"] == 1

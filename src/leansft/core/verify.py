@@ -102,6 +102,28 @@ def check_vocabulary(model, data: TokenizedDataset) -> None:
             "model's embeddings to the tokenizer first")
 
 
+# names of learned absolute position tables (GPT-2, GPT-Neo and GPT-BigCode ``wpe``, OPT and BioGPT
+# ``embed_positions``, GPT-1 ``positions_embed``)
+_POSITION_TABLES = ("wpe", "embed_positions", "positions_embed", "position_embeddings", "position_embedding")
+
+
+def position_capacity(model) -> int | None:
+    """How many positions a model with a learned absolute position table can embed; None for rotary, ALiBi or
+    sinusoidal positions, which have no table to index past."""
+    sizes = [m.num_embeddings - int(getattr(m, "offset", 0)) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES]
+    return min(sizes) if sizes else None
+
+
+def check_position_table(model, longest: int) -> None:
+    """Examples of ``longest`` tokens fit the model's learned position table, or a clear error before step 1
+    (past the table, the embedding lookup fails mid-run: an IndexError on the CPU, a device assert on CUDA)."""
+    capacity = position_capacity(model)
+    if capacity is not None and longest > capacity:
+        raise ModelError(f"the data has examples of {longest} tokens but {architecture(model)} has learned position "
+                         f"embeddings for {capacity} positions only", hint=f"set data.max_length to {capacity} or less")
+
+
 @torch.no_grad()
 def _reference(model, segments: list[np.ndarray], device) -> list[tuple[torch.Tensor, float]]:
     """(logits, summed loss) of each segment alone through the plain model and its own loss."""

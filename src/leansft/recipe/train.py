@@ -36,6 +36,7 @@ from leansft.core.models import merged_plain_model, trainable_parameters
 from leansft.core.neftune import NEFTune
 from leansft.core.quant import dequantised_base
 from leansft.core.tied_embedding import share_tied_gradient
+from leansft.core.verify import check_position_table
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -134,6 +135,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     log_data(data, cfg.data.max_length)
     seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
     model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, model_path)
+    check_position_table(model, data.longest(cfg.data.max_length))
     cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
     amp = autocast_dtype(cfg.training.precision, device)
     store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad_id(data.tokenizer), device, amp)

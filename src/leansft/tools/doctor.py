@@ -29,7 +29,7 @@ from leansft.core.forward import LossModule
 from leansft.core.generation import stop_token_ids
 from leansft.core.loss import normalise
 from leansft.core.memtrack import TensorMemoryTracker
-from leansft.core.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
+from leansft.core.verify import check_position_table, check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -264,6 +264,7 @@ def run_checks(cfg: RunConfig) -> list[Check]:
     amp = autocast_dtype(cfg.training.precision, device)
     try:
         check_vocabulary(model, full)
+        check_position_table(model, prep.longest(cfg.data.max_length))
     except LeanSFTError as err:  # the model cannot even embed this data: nothing else can run
         return checks + [Check("vocabulary", "FAIL", str(err), {}, err.hint)]
     found, strategy = check_isolation_and_loss(cfg, model, sample, pad_id(tok))

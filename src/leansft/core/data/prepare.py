@@ -41,6 +41,11 @@ class PreparedData:
                 parts.append(f"{count:,} {what}")
         return "; ".join(parts)
 
+    def longest(self, max_length: int) -> int:
+        """The most tokens one forward sees of an example (training or held out): longer ones run cut or split."""
+        return max((min(int(d.lengths.max()), max_length) for d in (self.train, self.eval) if d is not None and len(d)),
+                   default=0)
+
     def lost_target_share(self) -> float:
         """The share of the training examples' target tokens that cutting at max_length removed."""
         whole = int(self.train.store.targets[self.train.index].sum())
