@@ -173,6 +173,16 @@ def support_table() -> str:
 START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
 
 
+def test_a_router_load_balancing_loss_is_refused_with_the_setting_that_drops_it():
+    """A MoE config with output_router_logits: true makes the model's own loss add the router's auxiliary loss,
+    which leansft does not compute: refused before step 1 naming the setting, not an unexplained loss mismatch."""
+    model = tiny("mixtral")
+    model.config.output_router_logits = True
+    v = verify_model(model, probe_segments(None, VOCAB))
+    with pytest.raises(ModelError, match="output_router_logits: true"):
+        choose_strategy(v, "bfd", "fallback")
+
+
 def test_readme_support_table_is_current():
     text = README.read_text()
     block = text[text.index(START) + len(START): text.index(END)].strip()

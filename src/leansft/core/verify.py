@@ -180,7 +180,11 @@ def _check(path: str, model, refs, batch, rows_of, logit_tol: float = LOGIT_TOL,
     logits_ok, loss_ok = logit_diff <= logit_tol * scale, loss_diff <= loss_tol
     reasons = [] if logits_ok else ["logits differ from the model run on each example alone"
                                     + (" (examples see each other)" if path == "packed" else "")]
-    reasons += [] if loss_ok else ["the loss differs from the model's own loss"]
+    if not loss_ok:
+        reasons.append("the loss differs from the model's own loss" + (
+            ", which adds the router's load-balancing loss (config.json output_router_logits: true; leansft trains "
+            "the language-model loss only: set it false to train this model)"
+            if getattr(model.config, "output_router_logits", False) else ""))
     return PathCheck(path, logits_ok, loss_ok, "; ".join(reasons), numbers)
 
 
