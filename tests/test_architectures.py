@@ -35,6 +35,7 @@ from leansft.core.verify import _packed_batch, _padded_batch, choose_strategy, p
 
 README = Path(__file__).parents[1] / "README.md"
 VOCAB = 256
+ROW_TOKENS = 200  # packed micro-batches of this size: the far-in-the-row check (within max_position_embeddings)
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=VOCAB, max_position_embeddings=256, head_dim=16, pad_token_id=0, bos_token_id=1,
              eos_token_id=2)
@@ -71,8 +72,8 @@ FAMILY_NOTES = {
 }
 
 
-def tiny(model_type: str):
-    kw = {k: v for k, v in {**SMALL, **ARCHITECTURES[model_type]}.items() if v is not None}  # None: leave out
+def tiny(model_type: str, **extra):
+    kw = {k: v for k, v in {**SMALL, **ARCHITECTURES[model_type], **extra}.items() if v is not None}  # None: leave out
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = AutoConfig.for_model(model_type, **kw)
@@ -86,7 +87,7 @@ def tiny(model_type: str):
 def verdict(model_type: str) -> tuple[str, str]:
     """("packed" | "fallback" | "refused", detail) as training decides it."""
     model = tiny(model_type)
-    v = verify_model(model, probe_segments(None, VOCAB))
+    v = verify_model(model, probe_segments(None, VOCAB), row_tokens=ROW_TOKENS)
     try:
         chosen = choose_strategy(v, "bfd", "fallback")
     except ModelError as err:
@@ -181,6 +182,19 @@ def test_a_router_load_balancing_loss_is_refused_with_the_setting_that_drops_it(
     v = verify_model(model, probe_segments(None, VOCAB))
     with pytest.raises(ModelError, match="output_router_logits: true"):
         choose_strategy(v, "bfd", "fallback")
+
+
+def test_a_model_reading_the_index_in_the_row_is_checked_far_in_a_full_micro_batch():
+    """Llama 4 scales the queries of its layers without rotary embeddings by log(1 + floor((i + 1) / floor_scale)),
+    i the token's index in the row, not its position id (8,192 in the real models; 64 here): the two short probe
+    segments pass, the first one again at the end of a packed micro-batch does not, and training takes padded
+    batches, where a row's index is the example's position."""
+    model = tiny("llama4_text", no_rope_layers=[1, 0], floor_scale=64)
+    segments = probe_segments(None, VOCAB)
+    assert verify_model(model, segments).ok("packed")  # the short probe alone sees nothing
+    v = verify_model(model, segments, row_tokens=ROW_TOKENS)
+    assert not v.ok("packed") and "index in the row" in v.checks["packed"].reason and v.ok("padded")
+    assert choose_strategy(v, "bfd", "fallback") == "sorted"
 
 
 def test_readme_support_table_is_current():

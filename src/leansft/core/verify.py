@@ -7,7 +7,11 @@ model alone, one segment at a time, with its own attention implementation. Check
 - logits: each segment's logits in the run's forward equal its logits alone (a packed segment that
   sees the other one, through attention that ignores the boundaries or a convolution/state that
   carries over, fails here);
-- loss: the chunked loss (output layer as the model applies it) equals the model's own loss.
+- loss: the chunked loss (output layer as the model applies it) equals the model's own loss;
+- far in the row: the first segment again at the end of a packed micro-batch of ``row_tokens`` tokens,
+  the furthest any example sits in a row (Llama 4 scales the queries of its layers without rotary
+  embeddings by the token's index in the row, not its ``position_ids``: beyond 8,192 tokens a packed
+  example would differ from itself alone, which two short segments at the start never show).
 
 The check costs one forward per segment and path, in fp32 without autocast (bf16 autocast for kernels
 that only compute in bf16, with tolerances to match), and runs in eval mode.
@@ -188,10 +192,30 @@ def _check(path: str, model, refs, batch, rows_of, logit_tol: float = LOGIT_TOL,
     return PathCheck(path, logits_ok, loss_ok, "; ".join(reasons), numbers)
 
 
+@torch.no_grad()
+def _check_far(model, segments: list[np.ndarray], ref_logits: torch.Tensor, row_tokens: int, check: PathCheck,
+               tol: float) -> None:
+    """The first segment after a filler segment, ending at the last token of a full micro-batch: its logits must
+    still be its logits alone (``check`` fails with the reason otherwise)."""
+    first = segments[0]
+    filler = np.resize(np.concatenate(segments), row_tokens - len(first))
+    device = ref_logits.device
+    hidden = hidden_states(model, _packed_batch([filler, first], device))
+    ours = read_output_head(model).logits(model, hidden[0, len(filler):])
+    scale = max(1.0, float(ref_logits.abs().max()))
+    diff = float((ours - ref_logits).abs().max()) / scale
+    check.numbers["far_logit_diff"] = diff
+    if diff > tol:
+        check.logits_ok = False
+        check.reason = (f"a segment ending at token {row_tokens} of a packed micro-batch differs from it alone: the "
+                        "model reads the token's index in the row, not its position_ids")
+
+
 def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("packed", "padded"),
-                 pad_id: int = 0) -> Verification:
+                 pad_id: int = 0, row_tokens: int = 0) -> Verification:
     """Check each of ``paths`` against the plain model (see the module docstring). ``packed`` needs the
-    model's attention set to a packed backend (``use_packed_attention``)."""
+    model's attention set to a packed backend (``use_packed_attention``); ``row_tokens``: the packed
+    micro-batch size (the far-in-the-row check runs where it exceeds the two segments)."""
     device = next(model.parameters()).device
     was = model.training
     model.eval()
@@ -213,6 +237,9 @@ def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("p
                             "packed", model, refs, _packed_batch(segments, device),
                             lambda h: [h[0, a:b] for a, b in zip(starts[:-1], starts[1:])],
                             *((HALF_LOGIT_TOL, HALF_LOSS_TOL) if half else ()))
+                        if row_tokens > starts[-1] and result.checks["packed"].ok:
+                            _check_far(model, segments, refs[0][0], row_tokens, result.checks["packed"],
+                                       HALF_LOGIT_TOL if half else LOGIT_TOL)
             if "padded" in paths:  # the fallback's path, checked eagerly (compiled layers: packed only)
                 with plain_attention(model), eager():
                     result.checks["padded"] = _check(
