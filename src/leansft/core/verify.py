@@ -193,14 +193,15 @@ def _check(path: str, model, refs, batch, rows_of, logit_tol: float = LOGIT_TOL,
 
 
 @torch.no_grad()
-def _check_far(model, segments: list[np.ndarray], ref_logits: torch.Tensor, row_tokens: int, check: PathCheck,
-               tol: float) -> None:
-    """The first segment after a filler segment, ending at the last token of a full micro-batch: its logits must
+def _check_far(model, segments: list[np.ndarray], ref_logits: torch.Tensor, row_tokens: int, max_length: int,
+               check: PathCheck, tol: float) -> None:
+    """The first segment after filler examples, ending at the last token of a full micro-batch: its logits must
     still be its logits alone (``check`` fails with the reason otherwise)."""
     first = segments[0]
     filler = np.resize(np.concatenate(segments), row_tokens - len(first))
+    pieces = np.split(filler, range(max_length, len(filler), max_length))  # examples of at most max_length tokens
     device = ref_logits.device
-    hidden = hidden_states(model, _packed_batch([filler, first], device))
+    hidden = hidden_states(model, _packed_batch([*pieces, first], device))
     ours = read_output_head(model).logits(model, hidden[0, len(filler):])
     scale = max(1.0, float(ref_logits.abs().max()))
     diff = float((ours - ref_logits).abs().max()) / scale
@@ -212,10 +213,11 @@ def _check_far(model, segments: list[np.ndarray], ref_logits: torch.Tensor, row_
 
 
 def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("packed", "padded"),
-                 pad_id: int = 0, row_tokens: int = 0) -> Verification:
+                 pad_id: int = 0, row_tokens: int = 0, max_length: int | None = None) -> Verification:
     """Check each of ``paths`` against the plain model (see the module docstring). ``packed`` needs the
     model's attention set to a packed backend (``use_packed_attention``); ``row_tokens``: the packed
-    micro-batch size (the far-in-the-row check runs where it exceeds the two segments)."""
+    micro-batch size (the far-in-the-row check runs where it exceeds the two segments), filled with examples of
+    at most ``max_length`` tokens (default: ``row_tokens``)."""
     device = next(model.parameters()).device
     was = model.training
     model.eval()
@@ -238,8 +240,8 @@ def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("p
                             lambda h: [h[0, a:b] for a, b in zip(starts[:-1], starts[1:])],
                             *((HALF_LOGIT_TOL, HALF_LOSS_TOL) if half else ()))
                         if row_tokens > starts[-1] and result.checks["packed"].ok:
-                            _check_far(model, segments, refs[0][0], row_tokens, result.checks["packed"],
-                                       HALF_LOGIT_TOL if half else LOGIT_TOL)
+                            _check_far(model, segments, refs[0][0], row_tokens, max_length or row_tokens,
+                                       result.checks["packed"], HALF_LOGIT_TOL if half else LOGIT_TOL)
             if "padded" in paths:  # the fallback's path, checked eagerly (compiled layers: packed only)
                 with plain_attention(model), eager():
                     result.checks["padded"] = _check(

@@ -130,7 +130,8 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int) -
     packed = strategy in PACKED_STRATEGIES
     t0 = time.perf_counter()
     v = verify_model(model, probe_segments(data, model.get_input_embeddings().weight.shape[0]),
-                     ("packed", "padded") if packed else ("padded",), pad, cfg.batching.tokens_per_micro_batch)
+                     ("packed", "padded") if packed else ("padded",), pad,
+                     cfg.batching.tokens_per_micro_batch, cfg.data.max_length)
     log.info("verified in %.1f s: %s", time.perf_counter() - t0, v.summary())
     chosen = choose_strategy(v, strategy, cfg.training.verify)
     if chosen != strategy:

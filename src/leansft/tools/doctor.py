@@ -100,7 +100,8 @@ def check_isolation_and_loss(cfg: RunConfig, model, data, pad: int) -> tuple[lis
     from it (the configured one, ``sorted`` as its fallback, or None where train refuses)."""
     packed = cfg.batching.strategy in PACKED_STRATEGIES
     v = verify_model(model, probe_segments(data, model.get_input_embeddings().weight.shape[0]),
-                     ("packed", "padded") if packed else ("padded",), pad, cfg.batching.tokens_per_micro_batch)
+                     ("packed", "padded") if packed else ("padded",), pad,
+                     cfg.batching.tokens_per_micro_batch, cfg.data.max_length)
     try:
         strategy = choose_strategy(v, cfg.batching.strategy, cfg.training.verify)
     except LeanSFTError:
