@@ -263,9 +263,15 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def _call(content: str | None) -> dict:
+def _call(content: str | None, *cities: str, first: int = 1) -> dict:
+    """An assistant turn calling get_weather once per city (Paris by default), call ids from ``first`` on."""
     return {"role": "assistant", "content": content, "tool_calls": [
-        {"id": "call0abc1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+        {"id": f"call0abc{first + i}", "type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}}
+        for i, c in enumerate(cities or ("Paris",))]}
+
+
+def _result(call: int, temp: int) -> dict:
+    return {"role": "tool", "tool_call_id": f"call0abc{call}", "name": "get_weather", "content": f'{{"temp": {temp}}}'}
 
 
 def _u(text: str) -> dict:
@@ -278,7 +284,7 @@ def _a(text: str, **kw) -> dict:
 
 THREE = [_u("What is the capital of France?"), _a("Paris."), _u("And of Italy?"), _a("Rome."),
          _u("Two plus two?"), _a("Four.")]
-RESULT = {"role": "tool", "tool_call_id": "call0abc1", "name": "get_weather", "content": '{"temp": 21}'}
+RESULT = _result(1, 21)
 KINDS: dict[str, dict] = {
     "single": {"messages": THREE[:2]},
     "three turns": {"messages": THREE},
@@ -287,6 +293,10 @@ KINDS: dict[str, dict] = {
                                                _a("It is 21 degrees.")]},
     "tool call, empty content": {"tools": [WEATHER], "messages": [_u("Weather in Paris?"), _call(""), RESULT,
                                                                   _a("It is 21 degrees.")]},
+    "two calls at once": {"tools": [WEATHER], "messages": [_u("Weather in Paris and Rome?"), _call("", "Paris", "Rome"),
+                                                            RESULT, _result(2, 25), _a("21 and 25 degrees.")]},
+    "calls in turn": {"tools": [WEATHER], "messages": [_u("Paris, then Rome?"), _call(""), RESULT,
+                                                       _call("", "Rome", first=2), _result(2, 25), _a("21, then 25.")]},
     "thinking": {"messages": [_u("Two plus two?"), _a("4.", reasoning_content="Two and two make four."),
                               _u("And three plus three?"), _a("6.", reasoning_content="Three and three make six.")]},
     "train false": {"messages": [THREE[0], _a("Paris.", train=False), *THREE[2:4]]},
