@@ -43,7 +43,8 @@ MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_interm
            shared_expert_intermediate_size=32)
 # model_type -> what its tiny config needs besides SMALL (families of the same code share a row).
 ARCHITECTURES: dict[str, dict] = {
-    "llama": {}, "llama4_text": {"intermediate_size_mlp": 128, **MOE}, "mistral": {}, "ministral": {},
+    "llama": {}, "llama4_text": {"intermediate_size_mlp": 128, **MOE, "attention_chunk_size": 16,
+                    "layer_types": ["chunked_attention", "full_attention"]}, "mistral": {}, "ministral": {},
     "mixtral": MOE, "qwen2": {}, "qwen2_moe": MOE, "qwen3": {}, "qwen3_moe": MOE,
     "qwen3_next": {**MOE, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
                    "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]},
@@ -151,9 +152,10 @@ def test_exact_or_refused(model_type):
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), f"{model_type}: chunked loss {loss} vs the model's {ref_loss}"
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma2"])
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma2", "llama4_text"])
 def test_flex_backend_is_exact_too(model_type):
-    """flex_attention (block-diagonal mask) with attention sinks (gpt-oss) and soft-capping (Gemma 2)."""
+    """flex_attention (block-diagonal mask) with attention sinks (gpt-oss), soft-capping (Gemma 2) and Llama 4's
+    chunked layers (16-token chunks here: the probe's examples span two)."""
     model = tiny(model_type)
     use_packed_attention(model, FLEX)
     assert verify_model(model, probe_segments(None, VOCAB), ("packed",)).ok("packed")

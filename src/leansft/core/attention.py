@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import logging
 
 import torch
@@ -104,6 +105,29 @@ def segment_sizes(cu: torch.Tensor) -> list[int]:
     return sizes if sizes is not None else torch.diff(cu).tolist()
 
 
+def chunk_size(module) -> int | None:
+    """Llama 4's chunked-attention layers attend within chunks of ``attention_chunk_size`` tokens counted from the
+    sequence's start (transformers' chunked mask, which the packed backends do not get); None for other layers."""
+    cfg = getattr(module, "config", None)
+    types, idx = getattr(cfg, "layer_types", None), getattr(module, "layer_idx", None)
+    if not types or idx is None or idx >= len(types) or types[idx] != "chunked_attention":
+        return None
+    return int(cfg.attention_chunk_size)
+
+
+def layer_sizes(module, sizes: list[int]) -> list[int]:
+    """The segments this layer attends within: each example, cut into its chunks on a chunked-attention layer
+    (causal attention inside each chunk is exactly the chunked mask of the example alone)."""
+    chunk = chunk_size(module)
+    return sizes if chunk is None else _cut(sizes, chunk)
+
+
+def _cut(sizes: list[int], chunk: int) -> list[int]:
+    if max(sizes, default=0) <= chunk:
+        return sizes
+    return [c for n in sizes for c in [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])]
+
+
 @torch.compiler.disable  # host-side boundaries: eager between compiled layer regions (``core/compile.py``)
 def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: q [B, H, T, D] -> out [B, T, H, D], per-example causal."""
@@ -119,7 +143,7 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=Non
     softcap = kwargs.get("softcap")
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux")
-    sizes = segment_sizes(cu)
+    sizes = layer_sizes(module, segment_sizes(cu))
     # torch.split, not slicing: the backward of a slice writes into a zeroed full-length gradient per
     # segment (O(segments x T) fills and adds); split's backward concatenates the segment gradients once.
     pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)))
@@ -147,6 +171,10 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     half = query.dtype if query.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     q, k, v = (x[0].transpose(0, 1).to(half) for x in (query, key, value))  # [T, H, D]
     max_len = int(kwargs.get("max_length_q") or int(torch.diff(cu).max()))
+    if chunk_size(module) is not None:  # a chunked layer: the chunks' boundaries (a small host-to-device copy)
+        sizes = layer_sizes(module, segment_sizes(cu))
+        cu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int32, device=query.device)
+        max_len = max(sizes)
     out = varlen_attn(q, k, v, cu.to(torch.int32), cu.to(torch.int32), max_len, max_len, scale=scaling,
                       window_size=(window - 1 if window else -1, 0), enable_gqa=q.shape[1] != k.shape[1])
     return out.to(query.dtype)[None], None
@@ -163,21 +191,27 @@ def _flex_kernel(device: torch.device):
     return _FLEX_CACHE["kernel"]
 
 
-def _block_mask(cu: torch.Tensor, total: int, window: int | None, device: torch.device):
-    """Block-diagonal causal mask from the boundaries, built once per micro-batch (all layers share it)."""
-    key = (tuple(segment_sizes(cu)), window, str(device))
-    if _FLEX_CACHE.get("mask_key") != key:
-        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), torch.diff(cu).to(device),
+def _block_mask(cu: torch.Tensor, total: int, window: int | None, device: torch.device, chunk: int | None = None):
+    """Block-diagonal causal mask from the boundaries (cut into chunks on a chunked-attention layer), built once
+    per micro-batch and layer kind (the layers of a kind share it)."""
+    sizes = segment_sizes(cu)
+    key = (tuple(sizes), window, chunk, str(device))
+    masks = _FLEX_CACHE.setdefault("masks", {})
+    if key not in masks:
+        pieces = sizes if chunk is None else _cut(sizes, chunk)
+        lengths = torch.diff(cu).to(device) if pieces is sizes else torch.tensor(pieces, device=device)
+        doc = torch.repeat_interleave(torch.arange(len(pieces), device=device), lengths,
                                       output_size=total)  # its size given: the host need not read it back
 
         def mask_mod(b, h, q, k):
             keep = (doc[q] == doc[k]) & (q >= k)
             return keep & (q - k < window) if window is not None else keep
 
-        _FLEX_CACHE["mask_key"] = key
-        _FLEX_CACHE["mask"] = create_block_mask(mask_mod, 1, 1, total, total, device=device,
-                                                BLOCK_SIZE=128 if device.type == "cuda" else 16)
-    return _FLEX_CACHE["mask"]
+        if len(masks) >= 4:  # another micro-batch: the masks of the last one are done with
+            masks.clear()
+        masks[key] = create_block_mask(mask_mod, 1, 1, total, total, device=device,
+                                       BLOCK_SIZE=128 if device.type == "cuda" else 16)
+    return masks[key]
 
 
 @torch.compiler.disable  # the block mask is built from host-side boundaries; the kernel is compiled apart
@@ -193,7 +227,7 @@ def flex_varlen_attention(module, query, key, value, attention_mask, scaling=Non
     if softcap is not None:
         def score_mod(score, b, h, q, k):
             return softcap * torch.tanh(score / softcap)
-    mask = _block_mask(cu, query.shape[2], kwargs.get("sliding_window"), query.device)
+    mask = _block_mask(cu, query.shape[2], kwargs.get("sliding_window"), query.device, chunk_size(module))
     sinks = kwargs.get("s_aux")
     out = _flex_kernel(query.device)(query, key, value, block_mask=mask, score_mod=score_mod, scale=scaling,
                                      enable_gqa=query.shape[1] != key.shape[1], return_lse=sinks is not None)
@@ -253,6 +287,10 @@ def use_packed_attention(model, backend: str) -> None:
     if not hasattr(model, _PLAIN):
         impl = model.config._attn_implementation
         setattr(model, _PLAIN, impl if impl not in PACKED_SAFE else "sdpa")
+    if backend.startswith("flash_attention") and "chunked_attention" in (getattr(model.config, "layer_types", None)
+                                                                           or ()):
+        backend = TORCH_VARLEN  # transformers' flash path takes one set of boundaries for every layer
+        log.info("chunked-attention layers need their own boundaries: PyTorch's varlen kernel instead of flash-attn")
     set_attention(model, backend)
     log.info("packed attention backend: %s", backend)
 
