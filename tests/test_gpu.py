@@ -71,6 +71,20 @@ def test_torch_varlen_kernel_isolates_examples_and_passes_verification():
     assert v.ok("packed"), v.summary()
 
 
+def test_torch_varlen_cuts_llama4_chunked_layers_at_their_chunks():
+    """Llama 4's chunked-attention layers (16-token chunks here; the probe's 24-token example spans two) through
+    PyTorch's varlen kernel with per-layer boundaries: verify-before-train accepts it, far in the row too."""
+    from test_architectures import VOCAB, tiny
+
+    from leansft.core.attention import TORCH_VARLEN, use_packed_attention
+    from leansft.core.verify import probe_segments, verify_model
+
+    model = tiny("llama4_text").to("cuda")
+    use_packed_attention(model, TORCH_VARLEN)
+    v = verify_model(model, probe_segments(None, VOCAB), ("packed",), row_tokens=200)
+    assert v.ok("packed"), v.summary()
+
+
 def test_compiled_layers_train_like_eager_on_gpu():
     """Regional compile on CUDA: the first steps' losses equal the eager ones within bf16 noise."""
     from test_packing_attention import dataset
