@@ -236,3 +236,20 @@ def test_what_to_read_on_the_host_holds_for_those_very_tensors_only():
     assert other.host_target_index() is None and other.host_segment_sizes() is None
     batch.labels[0, :5] = IGNORE_INDEX
     assert batch.host_target_index() is None and batch.to("cpu").host_target_index() is not None
+
+
+def test_the_cuda_choice_of_backend_follows_what_torch_and_flash_attn_offer(monkeypatch):
+    """The choice is logic only (no GPU needed): bf16 on CUDA takes flash-attn when installed, else torch's varlen
+    kernel, else (an older torch, as the H200 image's 2.11 may be) per-segment SDPA; fp32 takes per-segment SDPA."""
+    from leansft.core import attention
+    from leansft.core.errors import ConfigError
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)  # neither flash-attn nor varlen
+    assert attention.choose_backend(cuda) == VARLEN
+    with pytest.raises(ConfigError, match="torch.nn.attention.varlen"):
+        attention.choose_backend(cuda, "torch_varlen")
+    monkeypatch.setattr(attention, "_has_torch_varlen", lambda: True)
+    assert attention.choose_backend(cuda) == attention.TORCH_VARLEN
+    assert attention.choose_backend(cuda, half=False) == VARLEN
+    assert attention.choose_backend(torch.device("cpu")) == VARLEN

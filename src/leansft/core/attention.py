@@ -243,13 +243,22 @@ def register() -> None:
     AttentionInterface.register(TORCH_VARLEN, torch_varlen_attention)
 
 
+def _has_torch_varlen() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
 def choose_backend(device: torch.device, requested: str = "auto", training: bool = True, half: bool = True) -> str:
     """The packed-attention implementation for this device, or a clear error if the request can't run.
 
     auto: where the run computes in bf16 on CUDA (``half``), flash-attn's varlen kernel if installed, else
-    PyTorch's own varlen kernel; otherwise per-segment SDPA (the CPU, and fp32 runs: exact in fp32)."""
+    PyTorch's own varlen kernel (torch 2.13 has it; an older torch gets per-segment SDPA); otherwise per-segment
+    SDPA (the CPU, and fp32 runs: exact in fp32)."""
     register()
     has_flash = importlib.util.find_spec("flash_attn") is not None
+    has_torch_varlen = _has_torch_varlen()
+    if requested == "torch_varlen" and not has_torch_varlen:
+        raise ConfigError(f"attention 'torch_varlen' needs torch.nn.attention.varlen, which torch {torch.__version__} "
+                          "does not have", field="training.attention", hint="use attention: auto or sdpa_varlen")
     if requested in ("flash",) and not (has_flash and device.type == "cuda"):
         raise ModelError("attention 'flash' needs the flash-attn package and a CUDA device",
                          field="training.attention", hint="pip install flash-attn, or use attention: auto")
@@ -268,7 +277,7 @@ def choose_backend(device: torch.device, requested: str = "auto", training: bool
         return VARLEN
     if requested == "flash" or (requested == "auto" and has_flash):
         return "flash_attention_2"
-    return TORCH_VARLEN
+    return TORCH_VARLEN if has_torch_varlen else VARLEN
 
 
 def set_attention(model, impl: str) -> None:
@@ -289,8 +298,8 @@ def use_packed_attention(model, backend: str) -> None:
         setattr(model, _PLAIN, impl if impl not in PACKED_SAFE else "sdpa")
     if backend.startswith("flash_attention") and "chunked_attention" in (getattr(model.config, "layer_types", None)
                                                                            or ()):
-        backend = TORCH_VARLEN  # transformers' flash path takes one set of boundaries for every layer
-        log.info("chunked-attention layers need their own boundaries: PyTorch's varlen kernel instead of flash-attn")
+        backend = TORCH_VARLEN if _has_torch_varlen() else VARLEN  # flash takes one set of boundaries for all layers
+        log.info("chunked-attention layers need their own boundaries: %s instead of flash-attn", backend)
     set_attention(model, backend)
     log.info("packed attention backend: %s", backend)
 
