@@ -199,6 +199,14 @@ def test_a_model_reading_the_index_in_the_row_is_checked_far_in_a_full_micro_bat
     assert choose_strategy(v, "bfd", "fallback") == "sorted"
 
 
+def test_a_full_micro_batch_that_fails_is_a_failed_check_not_a_crash():
+    """GPT-2's 256 positions and a 300-token filler example: the far check reports the error as its reason and the
+    run takes padded batches, as for any packed path that fails (a run's data is checked against the table first)."""
+    model = tiny("gpt2")
+    v = verify_model(model, probe_segments(None, VOCAB), row_tokens=324)
+    assert not v.ok("packed") and "IndexError" in v.checks["packed"].reason and v.ok("padded")
+
+
 def test_readme_support_table_is_current():
     text = README.read_text()
     block = text[text.index(START) + len(START): text.index(END)].strip()

@@ -201,8 +201,13 @@ def _check_far(model, segments: list[np.ndarray], ref_logits: torch.Tensor, row_
     filler = np.resize(np.concatenate(segments), row_tokens - len(first))
     pieces = np.split(filler, range(max_length, len(filler), max_length))  # examples of at most max_length tokens
     device = ref_logits.device
-    hidden = hidden_states(model, _packed_batch([*pieces, first], device))
-    ours = read_output_head(model).logits(model, hidden[0, len(filler):])
+    try:
+        hidden = hidden_states(model, _packed_batch([*pieces, first], device))
+        ours = read_output_head(model).logits(model, hidden[0, len(filler):])
+    except Exception as err:  # noqa: BLE001 - as in _check: a failure of the run's path is a failed check
+        check.logits_ok = False
+        check.reason = f"a full micro-batch of {row_tokens} tokens fails: {type(err).__name__}: {str(err)[:200]}"
+        return
     scale = max(1.0, float(ref_logits.abs().max()))
     diff = float((ours - ref_logits).abs().max()) / scale
     check.numbers["far_logit_diff"] = diff
