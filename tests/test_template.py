@@ -261,6 +261,30 @@ def test_a_tool_call_the_template_drops_is_refused(load_tok, qwen25_path):
     assert "get_weather" in tok.decode(ids[spans(labels)[0][0]:spans(labels)[0][1]])
 
 
+def test_every_tool_call_and_argument_must_be_in_the_generated_turn(load_tok, qwen25_path):
+    """gpt-oss's and GigaChat 3.1's templates write only the first call of a turn: with two calls to the same
+    function the name was there, and the second call was silently left out of training. Each call's name counts,
+    and so does each argument value; a template writing them all trains."""
+    tok = load_tok(qwen25_path)
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}} for c in ("Paris", "Rome")]
+    chat = [{"role": "user", "content": "Weather in Paris and Rome?"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "content": "21"}, {"role": "tool", "content": "25"},
+            {"role": "assistant", "content": "21 and 25 degrees."}]
+    head = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+            "{% if m.tool_calls %}{% for c in m.tool_calls[:LIMIT] %}<tool_call>{{ c.function.name }}ARGS</tool_call>"
+            "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    first_only = head.replace("LIMIT", "1").replace("ARGS", "{{ c.function.arguments | tojson }}")
+    with pytest.raises(TemplateError, match="'get_weather' \\(2 calls\\) is not there"):
+        encode(tok, first_only, chat)
+    names_only = head.replace("LIMIT", "").replace("ARGS", "")
+    with pytest.raises(TemplateError, match='argument value "Paris" is not there'):
+        encode(tok, names_only, chat)
+    ids, labels = encode(tok, head.replace("LIMIT", "").replace("ARGS", "{{ c.function.arguments | tojson }}"), chat)
+    assert "Rome" in tok.decode(ids[spans(labels)[0][0]:spans(labels)[0][1]])
+
+
 @pytest.mark.parametrize("role", ["system", "tool"])
 def test_a_system_message_or_tool_result_the_template_drops_is_refused(load_tok, qwen25_path, role):
     """The answer after a dropped tool result would be trained without what it answers from."""

@@ -131,6 +131,48 @@ def _reasoning(message: dict) -> str | None:
     return lead.group(1).strip() or None if lead else None
 
 
+def _leaves(value) -> list:
+    """The scalar values inside a tool call's arguments (dict/list nesting flattened)."""
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _parsed(arguments):
+    """Arguments as data (a JSON string parsed: templates write the values, however they space the JSON)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments or {}
+
+
+def _forms(value) -> set[str]:
+    """How a template may write an argument value: as is, JSON-encoded (escapes; ASCII-only or not), Python-style."""
+    if isinstance(value, str):
+        return {value, json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(value)[1:-1]}
+    return {json.dumps(value), str(value)}
+
+
+def _missing_call_text(span: str, calls: list[dict]) -> str | None:
+    """What of the turn's tool calls the loss span lacks, or None: every call's function name as many times as
+    calls use it, and every argument value as many times as the calls hold it (a template that writes only the
+    first of two calls to the same function, gpt-oss's and GigaChat 3.1's, passes a check by names alone)."""
+    fns = [call.get("function") or call for call in calls]
+    names = Counter(fn.get("name") for fn in fns if fn.get("name"))
+    values = Counter(json.dumps(v) for fn in fns for v in _leaves(_parsed(fn.get("arguments"))) if v not in ("", None))
+    for name, n in names.items():
+        if span.count(name) < n:
+            return f"'{name}'" + (f" ({n} calls)" if n > 1 else "")
+    for key, n in values.items():
+        if max(span.count(form) for form in _forms(json.loads(key)) if form) < n:
+            return f"the argument value {key}" + (f" ({n} times)" if n > 1 else "")
+    return None
+
+
 class ChatEncoder:
     """Turns conversations into ``(input_ids, labels)`` arrays; labels are unshifted, -100 = no loss.
 
@@ -418,8 +460,7 @@ class ChatEncoder:
         """The loss span ``[c0, c1)`` must hold the whole turn the data give: not end inside the message's own
         text (a stop token written in it), and hold its tool calls (not dropped, not after the stop)."""
         cut = self._cut_inside(text, c0, c1, message)
-        names = [(call.get("function") or call).get("name") for call in message.get("tool_calls") or []]
-        dropped = [name for name in names if name and name not in text[c0:c1]]
+        dropped = _missing_call_text(text[c0:c1], message.get("tool_calls") or [])
         if cut is not None:
             stop = next(t for t in self._stop_list if text.endswith(t, c0, c1))
             why, field = (f"assistant message {ai} holds the stop token {stop!r} inside its {cut}: the tokenizer "
@@ -428,8 +469,8 @@ class ChatEncoder:
             hint = "remove or rewrite that text in the data, or data.on_bad_row: skip to drop such conversations"
         elif dropped:
             why, field = (f"chat template '{self.template.name}' does not write the tool calls of message {ai} into "
-                          f"the turn the model generates (e.g. '{dropped[0]}' is not there before its stop token): "
-                          f"the model would learn the turn without its tool call"), "tool_calls"
+                          f"the turn the model generates ({dropped} is not there before its stop token): the model "
+                          f"would learn the turn without its tool call"), "tool_calls"
             hint = "use the model's own chat template with tool support (examples/templates/chatml_tools.jinja)"
         else:
             return
