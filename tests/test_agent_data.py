@@ -65,6 +65,21 @@ def test_llama31_tool_call_and_ipython_result(load_tok, llama3_path):
     assert "<|start_header_id|>ipython<|end_header_id|>" in text and '"name": "get_weather",' in text
 
 
+def test_text_beside_a_tool_call_that_the_template_drops_is_refused(load_tok, llama3_path, qwen25_path):
+    """Llama 3.1's template writes a tool-calling turn as the call alone: "Let me check." beside the call was
+    silently left out of training (11 templates of the zoo do this). Refused naming the content; without the text
+    the turn trains as the model generates it."""
+    tok = load_tok(llama3_path)
+    said = json.loads(json.dumps(AGENT))
+    said["messages"][2]["content"] = "Let me check."
+    with pytest.raises(TemplateError, match="does not write the text of message 2 beside its tool calls") as err:
+        encode_all(tok, [said], trl_template("llama3_1"))
+    assert err.value.field == "messages[2].content"
+    qwen = load_tok(qwen25_path)  # Qwen2.5's own template writes both
+    (examples,), _ = encode_all(qwen, [said])
+    assert spans_of(qwen, examples)[0][0].startswith("Let me check.\n<tool_call>")
+
+
 def test_mistral_v3_moves_tools_to_the_last_user_turn_so_each_turn_trains_in_its_own_context(load_tok,
                                                                                              mistral_v3_path):
     tok = load_tok(mistral_v3_path)

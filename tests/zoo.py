@@ -385,6 +385,7 @@ _REASONS = [  # leansft's refusal -> the short reason the README table gives
     ("does not render the thinking", "thinking not rendered"),
     ("does not render the tool definitions", "tools not rendered"),
     ("does not write the tool calls", "tool call not in the generated turn"),
+    ("beside its tool calls", "text beside a tool call not rendered"),
     ("does not render the tool result", "tool result not rendered"),
     ("does not render the system message", "system message not rendered"),
     ("merges the answer's first characters", "prompt/answer seam merged by a SentencePiece tokenizer"),

@@ -31,7 +31,7 @@ from leansft.core.errors import DataError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
-# 10: every tool call and argument value must be in the generated turn; 9: a stop token inside an answer, and
+# 10: every tool call, argument value and the text beside them must be in the generated turn; 9: a stop token inside an answer, and
 # tool calls outside the generated turn, refused; 8: loss spans by the inference contract; 7: thinking in the
 # dedupe key; 6: loss codes
 CACHE_VERSION = "10"

@@ -458,9 +458,14 @@ class ChatEncoder:
 
     def _check_turn(self, text: str, c0: int, c1: int, message: dict, ai: int, row: int) -> None:
         """The loss span ``[c0, c1)`` must hold the whole turn the data give: not end inside the message's own
-        text (a stop token written in it), and hold its tool calls (not dropped, not after the stop)."""
+        text (a stop token written in it), and hold its tool calls (not dropped, not after the stop) and the text
+        written beside them."""
         cut = self._cut_inside(text, c0, c1, message)
-        dropped = _missing_call_text(text[c0:c1], message.get("tool_calls") or [])
+        calls = message.get("tool_calls") or []
+        dropped = _missing_call_text(text[c0:c1], calls)
+        said = str(message.get("content") or "")
+        lead = _LEADING_THINK.match(said)
+        said = (said[lead.end():] if lead else said).strip()
         if cut is not None:
             stop = next(t for t in self._stop_list if text.endswith(t, c0, c1))
             why, field = (f"assistant message {ai} holds the stop token {stop!r} inside its {cut}: the tokenizer "
@@ -472,6 +477,12 @@ class ChatEncoder:
                           f"the turn the model generates ({dropped} is not there before its stop token): the model "
                           f"would learn the turn without its tool call"), "tool_calls"
             hint = "use the model's own chat template with tool support (examples/templates/chatml_tools.jinja)"
+        elif calls and said and said not in text[c0:c1]:
+            why, field = (f"chat template '{self.template.name}' does not write the text of message {ai} beside its "
+                          f"tool calls ({said[:40]!r}...): the model would learn the turn without it (Llama 3.1's "
+                          f"and Mistral's templates write a tool-calling turn as the call alone)"), "content"
+            hint = ("empty that text in the data (the call alone is what this model generates), or "
+                    "data.on_bad_row: skip to drop such conversations")
         else:
             return
         raise TemplateError(why, row=row, field=f"messages[{ai}].{field}", hint=hint)
