@@ -478,9 +478,10 @@ class ChatEncoder:
                           f"would learn the turn without its tool call"), "tool_calls"
             hint = "use the model's own chat template with tool support (examples/templates/chatml_tools.jinja)"
         elif calls and said and said not in text[c0:c1]:
+            shown = repr(said[:40]) + ("..." if len(said) > 40 else "")
             why, field = (f"chat template '{self.template.name}' does not write the text of message {ai} beside its "
-                          f"tool calls ({said[:40]!r}...): the model would learn the turn without it (Llama 3.1's "
-                          f"and Mistral's templates write a tool-calling turn as the call alone)"), "content"
+                          f"tool calls ({shown}): the model would learn the turn without it (Llama 3.1's and "
+                          f"Mistral's templates write a tool-calling turn as the call alone)"), "content"
             hint = ("empty that text in the data (the call alone is what this model generates), or "
                     "data.on_bad_row: skip to drop such conversations")
         else:
