@@ -45,15 +45,16 @@ def per_example_rope(model) -> int:
     done = getattr(model, "_leansft_per_example_rope", None)
     if done is not None:
         return done
-    n = 0
+    n, kinds = 0, set()
     for module in model.modules():
-        if any(map(length_dependent, _rope_types(module))) and not hasattr(module, "_leansft_shipped_forward"):
+        found = [t for t in _rope_types(module) if length_dependent(t)]
+        if found and not hasattr(module, "_leansft_shipped_forward"):
             module._leansft_shipped_forward = module.forward
             module.forward = functools.partial(_forward, module)
-            n += 1
+            n, kinds = n + 1, kinds | set(found)
     if n:
         log.info("rotary embedding: %s, computed per example (its frequencies depend on the sequence length)",
-                 ", ".join(sorted({str(t) for m in model.modules() for t in _rope_types(m) if length_dependent(t)})))
+                 ", ".join(sorted(kinds)))
     model._leansft_per_example_rope = n
     return n
 
