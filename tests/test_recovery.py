@@ -199,6 +199,36 @@ def test_exit_codes_finished_stopped_failed(tmp_path, tiny_run_assets):
     assert not (tmp_path / "run" / "final").exists()
 
 
+def test_a_signal_right_after_the_save_decision_still_saves(tmp_path, tiny_run_assets, monkeypatch):
+    """A signal is handled between any two bytecodes: one landing after a step's save decision (nothing to save)
+    and before the stop check used to break unsaved, exit code 3 promising a checkpoint that was never written."""
+    import leansft.recipe.train as train_module
+    from leansft.recipe.checkpointer import Checkpointer
+    from leansft.recipe.signals import StopFlag
+
+    flags = []
+
+    class RecordedStopFlag(StopFlag):
+        def __enter__(self):
+            flags.append(self)
+            return super().__enter__()
+
+    real = Checkpointer.should_save
+
+    def decide_then_signal(self, step, done):
+        answer = real(self, step, done)
+        if step == 2:
+            flags[0].requested = True  # what the handler does
+        return answer
+
+    monkeypatch.setattr(train_module, "StopFlag", RecordedStopFlag)
+    monkeypatch.setattr(Checkpointer, "should_save", decide_then_signal)
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=6", "checkpoint.save_every=1000")
+    result = train(cfg)
+    assert result["stopped"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-3"]
+
+
 def test_trust_remote_code_is_always_explicit(tmp_path, tiny_run_assets, monkeypatch):
     import transformers
 

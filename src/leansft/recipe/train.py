@@ -182,10 +182,11 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                           **window.record(), "tokens_seen": state.tokens_seen, "examples_seen": state.examples_seen}
             last = log_record(metrics, evaluator, record, state.step, evaluator.after_step(state.step, total_steps)) \
                 or last
-            done = stop.requested or evaluator.should_stop or state.step == total_steps
-            if checkpointer.should_save(state.step, done):
+            # read the flag once: a signal landing between a save decision and the break would stop unsaved
+            stopping = stop.requested or evaluator.should_stop
+            if checkpointer.should_save(state.step, stopping or state.step == total_steps):
                 checkpointer.save(state, evaluator.state())
-            if stop.requested or evaluator.should_stop:
+            if stopping:
                 log.warning("stopping at step %d (%s)", state.step, "signal" if stop.requested else "early stopping")
                 break
     if cfg.checkpoint.export and not stop.requested:
