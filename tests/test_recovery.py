@@ -229,6 +229,29 @@ def test_a_signal_right_after_the_save_decision_still_saves(tmp_path, tiny_run_a
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-3"]
 
 
+def test_a_stop_signal_on_another_rank_stops_this_one_at_the_same_step(tmp_path, tiny_run_assets, monkeypatch):
+    """torchrun's ranks get a signal each at its own moment: the stop request travels with the step's loss
+    all-reduce, so a rank whose own flag is clear still stops and saves at the step its peer does (before, the
+    ranks could part ways and wait in different collectives)."""
+    from leansft.core import parallel
+
+    real = parallel.all_reduce_sum
+    calls = []
+
+    def peer_signalled_at_step_2(value, device):
+        out = real(value, device)
+        if torch.is_tensor(value) and value.shape == (2,):  # the step's loss and stop request
+            calls.append(1)
+            return out + torch.tensor([0.0, 1.0]) if len(calls) == 2 else out
+        return out
+
+    monkeypatch.setattr(parallel, "all_reduce_sum", peer_signalled_at_step_2)
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=6", "checkpoint.save_every=1000")
+    result = train(cfg)
+    assert result["stopped"] and result["step"] == 2
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-2"]
+
+
 def test_trust_remote_code_is_always_explicit(tmp_path, tiny_run_assets, monkeypatch):
     import transformers
 

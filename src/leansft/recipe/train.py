@@ -87,12 +87,15 @@ def build_engine(cfg: RunConfig, model, loss_module, total_steps: int, device: t
                   [p for _, p in trainable_parameters(model)], device, amp, cfg.training.max_grad_norm, offload, world)
 
 
-def train_step(engine: Engine, batches: list, step_targets: float, step: int) -> tuple[float, float, float]:
-    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, lr).
+def train_step(engine: Engine, batches: list, step_targets: float, step: int,
+               stop: StopFlag | None = None) -> tuple[float, float, float, bool]:
+    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, lr, stop).
 
     Each micro-batch's summed loss is divided by the step's global target count (the sum of loss weights
     where messages are weighted) before backward, so the gradient is the token mean over the whole step,
-    whatever the accumulation or world size."""
+    whatever the accumulation or world size. ``stop`` is true when any rank had a stop signal by the loss's
+    all-reduce: every rank gets the same answer at the same step (a rank stopping alone would leave the
+    others waiting in a collective)."""
     e = engine
     loss_total = torch.zeros((), device=e.device)
     for i, b in enumerate(batches):
@@ -106,9 +109,11 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int) ->
     with record_function("clip"):
         norm = clip_gradients(e.params, e.max_grad_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-    # The step's one host sync: loss and gradient norm together, before the update is applied.
-    loss, grad_norm = torch.stack([parallel.all_reduce_sum(loss_total, e.device) / (step_targets or 1.0),
-                                   norm.to(e.device, torch.float32)]).tolist()
+    # The step's one host sync: loss, stop request and gradient norm together, before the update is applied.
+    requested = torch.tensor(float(stop is not None and stop.requested), device=e.device)
+    loss_sum, stops = parallel.all_reduce_sum(torch.stack([loss_total, requested]), e.device)
+    loss, grad_norm, stops = torch.stack([loss_sum / (step_targets or 1.0), norm.to(e.device, torch.float32),
+                                          stops]).tolist()
     if not math.isfinite(loss):
         raise LeanSFTError(f"loss is {loss} at step {step}; stopping",
                            hint="lower the learning rate, check the data of this step, or use fp32")
@@ -117,7 +122,7 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int) ->
         e.optimizer.step()
         e.scheduler.step()
         e.optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm, lr
+    return loss, grad_norm, lr, stops > 0
 
 
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
@@ -164,12 +169,13 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
              "bf16 autocast" if amp else "fp32", cfg.training.method, sum(p.numel() for p in engine.params))
     last = log_record(metrics, evaluator, None, 0, evaluator.after_step(0, total_steps) if state.step == 0 else None)
     steps = batcher.steps(state.position, cfg.batching.gradient_accumulation)
+    stopped = False
     with StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) as progress:
         while state.step < total_steps and not evaluator.should_stop:
             t0 = time.perf_counter()
             batches, position = next(steps)
             counts = window.count(batches)
-            loss, grad_norm, lr = train_step(engine, batches, counts.weight, state.step + 1)
+            loss, grad_norm, lr, signalled = train_step(engine, batches, counts.weight, state.step + 1, stop)
             seconds = time.perf_counter() - t0
             run.add(counts, seconds)
             window.add_time(seconds)
@@ -182,20 +188,20 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                           **window.record(), "tokens_seen": state.tokens_seen, "examples_seen": state.examples_seen}
             last = log_record(metrics, evaluator, record, state.step, evaluator.after_step(state.step, total_steps)) \
                 or last
-            # read the flag once: a signal landing between a save decision and the break would stop unsaved
-            stopping = stop.requested or evaluator.should_stop
+            stopped = signalled  # as every rank saw it at the step's all-reduce: they stop (and save) together
+            stopping = stopped or evaluator.should_stop
             if checkpointer.should_save(state.step, stopping or state.step == total_steps):
                 checkpointer.save(state, evaluator.state())
             if stopping:
-                log.warning("stopping at step %d (%s)", state.step, "signal" if stop.requested else "early stopping")
+                log.warning("stopping at step %d (%s)", state.step, "signal" if stopped else "early stopping")
                 break
-    if cfg.checkpoint.export and not stop.requested:
+    if cfg.checkpoint.export and not stopped:
         export_final(cfg, model, loss_module, sharded, data, out, model_path)
     metrics.write(run.record(state.step))  # the run's totals: wall time, time in steps, run-average rates
     if rank == 0:
-        finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stop.requested)
+        finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stopped)
     parallel.barrier()
-    return {**(last or {}), "stopped": stop.requested}
+    return {**(last or {}), "stopped": stopped}
 
 
 def log_data(data: PreparedData, max_length: int) -> None:
