@@ -31,7 +31,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from leansft.core.attention import FLEX, VARLEN, decoder_of, plain_attention, use_packed_attention
 from leansft.core.errors import ModelError
 from leansft.core.forward import hidden_states, loss_of
-from leansft.core.verify import _packed_batch, _padded_batch, choose_strategy, probe_segments, verify_model
+from leansft.core.verify import (
+    _packed_batch,
+    _padded_batch,
+    choose_strategy,
+    position_capacity,
+    probe_segments,
+    verify_model,
+)
 
 README = Path(__file__).parents[1] / "README.md"
 VOCAB = 256
@@ -205,6 +212,22 @@ def test_a_full_micro_batch_that_fails_is_a_failed_check_not_a_crash():
     model = tiny("gpt2")
     v = verify_model(model, probe_segments(None, VOCAB), row_tokens=324)
     assert not v.ok("packed") and "IndexError" in v.checks["packed"].reason and v.ok("padded")
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_a_fixed_size_position_table_is_known_before_step_1(model_type):
+    """Past its 64 positions each model either still runs as shipped, or its position capacity is known, so
+    training refuses longer examples before step 1 (an IndexError mid-run otherwise: CTRL's, GPT-J's and
+    CodeGen's tables are precomputed buffers, not embeddings)."""
+    model = tiny(model_type, max_position_embeddings=64, n_positions=64, n_ctx=64)
+    ids = torch.randint(3, VOCAB, (1, 100), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad(), plain_attention(model):
+            model(input_ids=ids, use_cache=False)
+    except (IndexError, RuntimeError):
+        assert position_capacity(model) == 64
+    else:
+        assert position_capacity(model) is None
 
 
 def test_readme_support_table_is_current():

@@ -109,13 +109,18 @@ def check_vocabulary(model, data: TokenizedDataset) -> None:
 # names of learned absolute position tables (GPT-2, GPT-Neo and GPT-BigCode ``wpe``, OPT and BioGPT
 # ``embed_positions``, GPT-1 ``positions_embed``)
 _POSITION_TABLES = ("wpe", "embed_positions", "positions_embed", "position_embeddings", "position_embedding")
+# fixed tables precomputed once as buffers (CTRL's sinusoidal ``pos_encoding``, GPT-J's and CodeGen's rotary
+# ``embed_positions``), one row a position
+_POSITION_BUFFERS = ("pos_encoding", "embed_positions")
 
 
 def position_capacity(model) -> int | None:
-    """How many positions a model with a learned absolute position table can embed; None for rotary, ALiBi or
-    sinusoidal positions, which have no table to index past."""
+    """How many positions a model with a fixed-size position table (learned, or precomputed for n_positions)
+    can embed; None for rotary, ALiBi or sinusoidal positions computed for any length."""
     sizes = [m.num_embeddings - int(getattr(m, "offset", 0)) for name, m in model.named_modules()
              if isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES]
+    sizes += [b.shape[0] for name, b in model.named_buffers()
+              if name.rsplit(".", 1)[-1] in _POSITION_BUFFERS and b.dim() == 2]
     return min(sizes) if sizes else None
 
 
@@ -124,7 +129,7 @@ def check_position_table(model, longest: int) -> None:
     (past the table, the embedding lookup fails mid-run: an IndexError on the CPU, a device assert on CUDA)."""
     capacity = position_capacity(model)
     if capacity is not None and longest > capacity:
-        raise ModelError(f"the data has examples of {longest} tokens but {architecture(model)} has learned position "
+        raise ModelError(f"the data has examples of {longest} tokens but {architecture(model)} has position "
                          f"embeddings for {capacity} positions only", hint=f"set data.max_length to {capacity} or less")
 
 
