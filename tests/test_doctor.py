@@ -190,3 +190,24 @@ def test_doctor_judges_the_path_train_takes(tmp_path, tiny_run_assets, model_typ
                                  tok.pad_token_id)
     assert (checks["isolation"].status == "WARN") == (strategy == "sorted")
     assert ("padded batches" in checks["positions"].message) == (strategy == "sorted")
+
+
+def test_examples_past_a_fixed_position_table_fail_the_positions_check(tmp_path, tiny_run_assets):
+    """GPT-J's rotary table is precomputed for n_positions: doctor names the max_length that fits under
+    "positions" (and stops there: the model cannot embed this data)."""
+    import warnings
+
+    import transformers as tf
+    from test_architectures import ARCHITECTURES, SMALL
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_run_assets["model"])
+    kw = {**SMALL, **ARCHITECTURES["gptj"], "vocab_size": len(tok), "max_position_embeddings": 64}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model("gptj", **kw))
+    folder = tmp_path / "gptj"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    checks = doctor.run_checks(run_config(tmp_path, {**tiny_run_assets, "model": str(folder)}))
+    assert checks[-1].name == "positions" and checks[-1].status == "FAIL"
+    assert "positions only" in checks[-1].message and "data.max_length to 64" in checks[-1].fix

@@ -263,11 +263,12 @@ def run_checks(cfg: RunConfig) -> list[Check]:
     device = pick_device()
     model, _ = build_model(cfg, device, True, model_path)
     amp = autocast_dtype(cfg.training.precision, device)
-    try:
-        check_vocabulary(model, full)
-        check_position_table(model, prep.longest(cfg.data.max_length))
-    except LeanSFTError as err:  # the model cannot even embed this data: nothing else can run
-        return checks + [Check("vocabulary", "FAIL", str(err), {}, err.hint)]
+    for name, check in (("vocabulary", lambda: check_vocabulary(model, full)),
+                        ("positions", lambda: check_position_table(model, prep.longest(cfg.data.max_length)))):
+        try:
+            check()
+        except LeanSFTError as err:  # the model cannot even embed this data: nothing else can run
+            return checks + [Check(name, "FAIL", str(err), {}, err.hint)]
     found, strategy = check_isolation_and_loss(cfg, model, sample, pad_id(tok))
     checks += found
     if strategy is None:  # train refuses this model before step 1: nothing further to judge
