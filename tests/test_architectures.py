@@ -34,6 +34,7 @@ from leansft.core.forward import hidden_states, loss_of
 from leansft.core.verify import (
     _packed_batch,
     _padded_batch,
+    check_position_table,
     choose_strategy,
     position_capacity,
     probe_segments,
@@ -228,6 +229,16 @@ def test_a_fixed_size_position_table_is_known_before_step_1(model_type):
         assert position_capacity(model) == 64
     else:
         assert position_capacity(model) is None
+
+
+def test_examples_past_a_rotary_models_context_train_with_a_warning(caplog):
+    """Rotary positions run past max_position_embeddings (as the plain model does), but never silently."""
+    model = tiny("llama", max_position_embeddings=64)
+    with caplog.at_level("WARNING", logger="leansft"):
+        check_position_table(model, 64)
+        assert not caplog.records
+        check_position_table(model, 100)
+    assert "examples of 100 tokens, longer than" in caplog.text and "context of 64 positions" in caplog.text
 
 
 def test_readme_support_table_is_current():

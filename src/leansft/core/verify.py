@@ -19,6 +19,7 @@ that only compute in bf16, with tolerances to match), and runs in eval mode.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,8 @@ from leansft.core.errors import ModelError
 from leansft.core.forward import hidden_states, loss_of
 from leansft.core.fused_layers import plain_layers
 from leansft.core.head import OutputHead, read_output_head
+
+log = logging.getLogger("leansft")
 
 SEGMENTS = (24, 16)  # tokens of the two probe segments
 LOGIT_TOL = 1e-4  # relative to the largest reference logit (fp32)
@@ -131,6 +134,12 @@ def check_position_table(model, longest: int) -> None:
     if capacity is not None and longest > capacity:
         raise ModelError(f"the data has examples of {longest} tokens but {architecture(model)} has position "
                          f"embeddings for {capacity} positions only", hint=f"set data.max_length to {capacity} or less")
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if capacity is None and isinstance(context, int) and longest > context:  # runs, as the plain model would
+        log.warning("the data has examples of %d tokens, longer than %s's context of %d positions "
+                    "(max_position_embeddings): positions past it were never pretrained; set data.max_length to "
+                    "%d to stay within, or extend the context (rope scaling) on purpose", longest,
+                    architecture(model), context, context)
 
 
 @torch.no_grad()
