@@ -247,6 +247,52 @@ def test_gguf_export_writes_linear_and_yarn_scaling_and_refuses_the_rest(tmp_pat
     assert {k: meta.get(k) for k in expected} == expected
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("extra,refused", [
+    ({"rope_parameters": LLAMA3_ROPE}, None),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}}, None),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}},
+     None),
+    ({"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 64}}, "not Llama 3's"),
+    ({"attention_bias": True}, "reads 0 of the GGUF's 8 bias tensors"),
+])
+def test_a_gguf_model_trains_as_the_model_in_the_file_or_is_refused(tmp_path, tiny_bpe_path, extra, refused):
+    """transformers' GGUF reader ignores rotary scaling (Llama 3's rope_freqs, linear, YaRN) and drops a Llama's
+    attention biases: the converted model must still give the logits of the model that was written, or be
+    refused. The files are written by leansft's export (checked against llama.cpp itself, see the README)."""
+    import torch
+    import transformers as tf
+
+    from leansft.core.errors import ModelError
+    from leansft.core.gguf_export import export_gguf
+    from leansft.core.models import load_model
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=len(tok), max_position_embeddings=4096, **extra)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+            elif p.dim() == 2:
+                p.mul_(8)
+    path = export_gguf(model, tok, None, tmp_path / "m.gguf", "f32")
+    if refused:
+        with pytest.raises(ModelError, match=refused):
+            load_model(str(path), cache_dir=tmp_path / "cache")
+        return
+    back = load_model(str(path), cache_dir=tmp_path / "cache").eval()
+    x = torch.randint(3, len(tok), (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(x).logits
+        assert float((back(x).logits - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
 def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
     """A LoRA run's checkpoint (not only the end of a run) out as GGUF and as a HF folder, LoRA merged."""
     import torch

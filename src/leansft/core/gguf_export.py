@@ -113,6 +113,23 @@ def _special_vocab(model, tokenizer, n_vocab: int):
     return special
 
 
+def llama3_rope_factors(base: float, head_dim: int, factor: float, low: float, high: float, old: int) -> np.ndarray:
+    """Llama 3's rotary scaling as llama.cpp stores it: the divisor of each default frequency (its converter's
+    ``rope_freqs``)."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
 def _rope_scaling(cfg, head_dim: int) -> tuple[dict, np.ndarray | None]:
     """(metadata, ``rope_freqs`` factors or None) for the model's rotary scaling, as llama.cpp's converter
     writes it; kinds llama.cpp's ``llama``/``qwen2`` graphs do not apply are refused."""
@@ -129,22 +146,9 @@ def _rope_scaling(cfg, head_dim: int) -> tuple[dict, np.ndarray | None]:
                 **({"attention_factor": params["attention_factor"]} if params.get("attention_factor") is not None
                    else {})}, None
     if kind == "llama3":  # per-frequency divisors, llama.cpp's ``rope_freqs``
-        base = float(params.get("rope_theta", 10000.0))
-        factor, low, high = params.get("factor", 8.0), params.get("low_freq_factor", 1.0), \
-            params.get("high_freq_factor", 4.0)
-        old = params.get("original_max_position_embeddings", 8192)
-        freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        factors = []
-        for freq in freqs.tolist():
-            wavelen = 2 * math.pi / freq
-            if wavelen < old / high:
-                factors.append(1.0)
-            elif wavelen > old / low:
-                factors.append(factor)
-            else:
-                smooth = (old / wavelen - low) / (high - low)
-                factors.append(1 / ((1 - smooth) / factor + smooth))
-        return {}, np.asarray(factors, dtype=np.float32)
+        return {}, llama3_rope_factors(float(params.get("rope_theta", 10000.0)), head_dim, params.get("factor", 8.0),
+                                       params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0),
+                                       params.get("original_max_position_embeddings", 8192))
     raise LeanSFTError(f"GGUF export: rotary scaling '{kind}' is not one llama.cpp applies to {cfg.model_type}",
                        hint="export a Hugging Face folder (--to hf) instead")
 

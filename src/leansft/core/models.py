@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from leansft.core.errors import ModelError
+from leansft.core.gguf_import import complete_from_gguf
 from leansft.core.paths import default_cache_dir, resolve_package_path
 
 log = logging.getLogger("leansft")
@@ -37,10 +38,13 @@ def load_model_config(spec: str, trust_remote_code: bool = False):
         raise ModelError(f"cannot load model config: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
 
 
+GGUF_CONVERSION = "2"  # bumped when a conversion changes: folders converted before are not reused (2: rope scaling)
+
+
 def gguf_to_hf(gguf: Path, cache_dir: Path) -> Path:
     """Convert a .gguf model once into a Hugging Face folder under ``cache_dir``; return the folder."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_CONVERSION}".encode()).hexdigest()[:16]
     out = cache_dir / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
@@ -56,6 +60,7 @@ def _convert_gguf(gguf: Path, out: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
     except Exception as err:
         raise ModelError(f"cannot read GGUF model: {type(err).__name__}: {str(err)[:300]}", file=str(gguf)) from None
+    complete_from_gguf(gguf, src)  # the rotary scaling transformers missed, or refused
     cfg = src.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config

@@ -1,0 +1,75 @@
+"""What transformers' GGUF reader leaves out of a model, put back or refused before the model is converted.
+
+transformers builds the config from a GGUF's metadata and reads its tensors, but (gpt-oss aside) it ignores
+the rotary scaling llama.cpp's converter writes: Llama 3.1-3.3's per-frequency ``rope_freqs`` tensor and the
+``rope.scaling.*`` keys of linear and YaRN scaling. It also drops tensors its config has no place for, such
+as the q/k/v biases of a ``llama`` model. Either way the converted model computes other logits than the
+model in the file (a Llama 3.2 GGUF: 17% of the logits' scale at 300 tokens), silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from leansft.core.errors import ModelError
+from leansft.core.gguf_export import llama3_rope_factors
+
+# Llama 3.1-3.3's own settings besides ``factor``: the only ones rope_freqs is matched against
+LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# llama.cpp's YaRN keys -> transformers' rope parameters
+YARN_KEYS = {"yarn_attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+
+
+def _rope_parameters(fields: dict, names: set[str], arch: str, base: float, head_dim: int, file: str) -> dict | None:
+    """transformers' rope parameters for the scaling in the file; None when it has none."""
+    if "rope_freqs.weight" in names:
+        freqs = fields["rope_freqs.weight"]
+        factor = float(freqs.max())
+        if not np.allclose(llama3_rope_factors(base, head_dim, factor, LLAMA3["low_freq_factor"],
+                                               LLAMA3["high_freq_factor"], LLAMA3["original_max_position_embeddings"]),
+                           freqs, rtol=1e-5):
+            raise ModelError("the GGUF's rope_freqs (per-frequency rotary scaling) are not Llama 3's, which is all "
+                             "leansft can put back (transformers does not read them)", file=file,
+                             hint="train from the model's Hugging Face folder instead")
+        return {"rope_type": "llama3", "rope_theta": base, "factor": factor, **LLAMA3}
+    kind = fields.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = fields.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "rope_theta": base, "factor": float(factor)}
+    if kind == "yarn" and fields.get(f"{arch}.rope.scaling.yarn_ext_factor", 1.0) == 1.0:
+        return {"rope_type": "yarn", "rope_theta": base, "factor": float(factor),
+                "original_max_position_embeddings": int(fields[f"{arch}.rope.scaling.original_context_length"]),
+                **{hf: float(fields[f"{arch}.rope.scaling.{key}"]) for key, hf in YARN_KEYS.items()
+                   if f"{arch}.rope.scaling.{key}" in fields}}
+    raise ModelError(f"the GGUF's rotary scaling '{kind}' is not read by transformers and leansft cannot put it back",
+                     file=file, hint="train from the model's Hugging Face folder instead")
+
+
+def complete_from_gguf(path: Path, model) -> None:
+    """Set on ``model.config`` (as transformers read it from the GGUF at ``path``) the rotary scaling it
+    missed, before the model is rebuilt from that config; refuse a file with tensors the model dropped."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    names = {t.name for t in reader.tensors}
+    fields.update({t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors if t.name == "rope_freqs.weight"})
+    biases = sorted(n for n in names if n.endswith(".bias"))
+    taken = [n for n, _ in model.named_parameters() if n.endswith("bias")]
+    if len(biases) > len(taken):
+        raise ModelError(f"transformers reads {len(taken)} of the GGUF's {len(biases)} bias tensors (e.g. "
+                         f"{biases[0]}): the converted model would lack them", file=str(path),
+                         hint="train from the model's Hugging Face folder instead")
+    cfg = model.config
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if (params.get("rope_type") or "default") != "default":  # transformers read the scaling itself (gpt-oss)
+        return
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    found = _rope_parameters(fields, names, fields.get("general.architecture"),
+                             float(params.get("rope_theta", 10000.0)), head_dim, str(path))
+    if found is not None:
+        cfg.rope_parameters = {**params, **found}
