@@ -149,8 +149,8 @@ def after_each_step(monkeypatch, fn) -> None:
 
     real = recipe.train_step
 
-    def wrapped(engine, batches, step_targets, step):
-        out = real(engine, batches, step_targets, step)
+    def wrapped(engine, batches, step_targets, step, stop=None):
+        out = real(engine, batches, step_targets, step, stop)
         fn(step, out[0])
         return out
 

@@ -142,8 +142,9 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, tiny_run_assets, monkeyp
     train(cfg)
     monkeypatch.undo()
     run = Path(cfg.output_dir)
-    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-2"]
-    assert max(losses(run)) == 2 and not (run / "final").exists()
+    # sent after step 2's loss all-reduce (where ranks agree on a stop), so step 3 is the last
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-3"]
+    assert max(losses(run)) == 3 and not (run / "final").exists()
     train(cfg, resume="auto")
     assert max(losses(run)) == 6
 
@@ -167,12 +168,12 @@ def test_every_method_trains_in_training_mode(tmp_path, tiny_run_assets, monkeyp
 
     real, seen = recipe.train_step, []
 
-    def spy(engine, batches, step_targets, step):
+    def spy(engine, batches, step_targets, step, stop=None):
         layers = [m for m in engine.loss_module.modules() if type(m).__name__.endswith("DecoderLayer")]
         calls = [0]
         hook = layers[0].input_layernorm.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
         try:
-            out = real(engine, batches, step_targets, step)
+            out = real(engine, batches, step_targets, step, stop)
         finally:
             hook.remove()
         seen.append(({m.training for m in engine.loss_module.modules()}, calls[0] / len(batches)))
