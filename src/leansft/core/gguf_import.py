@@ -4,18 +4,28 @@ transformers builds the config from a GGUF's metadata and reads its tensors, but
 the rotary scaling llama.cpp's converter writes: Llama 3.1-3.3's per-frequency ``rope_freqs`` tensor and the
 ``rope.scaling.*`` keys of linear and YaRN scaling. It also drops tensors its config has no place for, such
 as the q/k/v biases of a ``llama`` model. Either way the converted model computes other logits than the
-model in the file (a Llama 3.2 GGUF: 17% of the logits' scale at 300 tokens), silently.
+model in the file (a Llama 3.2 GGUF: 17% of the logits' scale at 300 tokens), silently. And it builds a
+byte-level tokenizer with GPT-2's split wherever it does not know the file's ``tokenizer.ggml.pre`` name
+(SmolLM2's digit splitting among them): other token ids than the model's own tokenizer gives.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+from tokenizers import pre_tokenizers
 
 from leansft.core.errors import ModelError
 from leansft.core.gguf_export import llama3_rope_factors
 
+# llama.cpp pre-tokenizer names transformers' GGUF reader does not map (it splits as GPT-2 then), as the
+# models' own tokenizers split: SmolLM's digits one by one, then GPT-2's regex
+PRE_TOKENIZERS = {
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+}
 # Llama 3.1-3.3's own settings besides ``factor``: the only ones rope_freqs is matched against
 LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # llama.cpp's YaRN keys -> transformers' rope parameters
@@ -49,15 +59,47 @@ def _rope_parameters(fields: dict, names: set[str], arch: str, base: float, head
                      file=file, hint="train from the model's Hugging Face folder instead")
 
 
-def complete_from_gguf(path: Path, model) -> None:
-    """Set on ``model.config`` (as transformers read it from the GGUF at ``path``) the rotary scaling it
-    missed, before the model is rebuilt from that config; refuse a file with tensors the model dropped."""
+def _read(path: Path) -> tuple[dict, set[str]]:
+    """(metadata but the vocabulary lists, plus the ``rope_freqs`` tensor; tensor names) of a GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    names = {t.name for t in reader.tensors}
+    fields = {k: f.contents() for k, f in reader.fields.items()
+              if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                           "tokenizer.ggml.scores")}
     fields.update({t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors if t.name == "rope_freqs.weight"})
+    return fields, {t.name for t in reader.tensors}
+
+
+def _split_as_named(tokenizer, fields: dict, file: str) -> None:
+    """Give a byte-level tokenizer transformers built from a GGUF the pre-tokenizer the file names, where
+    transformers fell back to GPT-2's split (it maps only some of llama.cpp's names); refuse names leansft
+    cannot map either."""
+    pre = fields.get("tokenizer.ggml.pre")
+    if fields.get("tokenizer.ggml.model") != "gpt2" or pre in (None, "default", "gpt-2"):
+        return  # GPT-2's split is the file's own, or the file names none (older converters)
+    if json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer", {}).get("type") != "ByteLevel":
+        return  # transformers set the split this name stands for itself
+    if pre not in PRE_TOKENIZERS:
+        raise ModelError(f"transformers builds this GGUF's tokenizer without its pre-tokenizer '{pre}': it would "
+                         "split text differently from the model's own tokenizer", file=file,
+                         hint="train from the model's Hugging Face folder (or pass its tokenizer as tokenizer:)")
+    tokenizer.backend_tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
+
+
+def faithful_gguf_tokenizer(path: Path, tokenizer):
+    """``tokenizer`` (transformers' from the GGUF at ``path``) with the pre-tokenizer the file names."""
+    fields, _ = _read(path)
+    _split_as_named(tokenizer, fields, str(path))
+    return tokenizer
+
+
+def complete_from_gguf(path: Path, model, tokenizer) -> None:
+    """Set on ``model.config`` (as transformers read it from the GGUF at ``path``) the rotary scaling it
+    missed, before the model is rebuilt from that config, and on ``tokenizer`` the pre-tokenizer the file
+    names; refuse a file with tensors the model dropped."""
+    fields, names = _read(path)
+    _split_as_named(tokenizer, fields, str(path))
     biases = sorted(n for n in names if n.endswith(".bias"))
     taken = [n for n, _ in model.named_parameters() if n.endswith("bias")]
     if len(biases) > len(taken):

@@ -38,7 +38,8 @@ def load_model_config(spec: str, trust_remote_code: bool = False):
         raise ModelError(f"cannot load model config: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
 
 
-GGUF_CONVERSION = "2"  # bumped when a conversion changes: folders converted before are not reused (2: rope scaling)
+GGUF_CONVERSION = "3"  # bumped when a conversion changes: folders converted before are not reused (2: rope
+# scaling; 3: the pre-tokenizer the file names)
 
 
 def gguf_to_hf(gguf: Path, cache_dir: Path) -> Path:
@@ -60,7 +61,7 @@ def _convert_gguf(gguf: Path, out: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
     except Exception as err:
         raise ModelError(f"cannot read GGUF model: {type(err).__name__}: {str(err)[:300]}", file=str(gguf)) from None
-    complete_from_gguf(gguf, src)  # the rotary scaling transformers missed, or refused
+    complete_from_gguf(gguf, src, tok)  # the rotary scaling and pre-tokenizer transformers missed, or refused
     cfg = src.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config

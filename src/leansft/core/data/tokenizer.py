@@ -9,6 +9,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from leansft.core.errors import ModelError
+from leansft.core.gguf_import import faithful_gguf_tokenizer
 from leansft.core.paths import resolve_package_path
 
 
@@ -21,7 +22,8 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
     path = Path(spec)
     try:
         if path.is_file() and path.suffix == ".gguf":
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+            tok = faithful_gguf_tokenizer(path, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                              **kw))
         elif path.is_file() and path.suffix == ".json":
             if (path.parent / "tokenizer_config.json").exists() and path.name == "tokenizer.json":
                 tok = AutoTokenizer.from_pretrained(str(path.parent), local_files_only=True, **kw)
