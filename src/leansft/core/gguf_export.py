@@ -38,6 +38,12 @@ def _permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
     return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _pre_tokenizer_spec(tokenizer) -> dict:
+    """The tokenizer's pre-tokenizer as its JSON settings (without serialising the whole vocabulary)."""
+    pre = tokenizer.backend_tokenizer.pre_tokenizer
+    return json.loads(pre.__getstate__()) if pre is not None else {}
+
+
 def pre_tokenizer(tokenizer) -> str:
     """llama.cpp's name for how this tokenizer splits text before BPE: by the hash its converter computes,
     or ``gpt-2`` for GPT-2's own settings; otherwise refused (llama.cpp would split prompts with a default
@@ -45,9 +51,8 @@ def pre_tokenizer(tokenizer) -> str:
     digest = hashlib.sha256(str(tokenizer.encode(CHKTXT)).encode()).hexdigest()
     if digest in PRE_TOKENIZERS:
         return PRE_TOKENIZERS[digest]
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    pre = spec.get("pre_tokenizer") or {}
-    if spec.get("normalizer") is None and all(pre.get(k) == v for k, v in _GPT2_PRE.items()):
+    pre = _pre_tokenizer_spec(tokenizer)
+    if tokenizer.backend_tokenizer.normalizer is None and all(pre.get(k) == v for k, v in _GPT2_PRE.items()):
         return "gpt-2"
     raise LeanSFTError("GGUF export: llama.cpp does not know this tokenizer's pre-tokenizer (its converter's hash "
                        f"{digest[:12]}... is not in its table), so it would split text differently from training",
@@ -67,11 +72,10 @@ def _tokenizer_vocab(tokenizer, n_vocab: int) -> tuple[list[str], list[int]]:
     llama.cpp's converter lists them (ids without a token become unused ``[PADi]``), or a clear refusal."""
     import gguf
 
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    model = spec.get("model", {})
-    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
+    kind = type(tokenizer.backend_tokenizer.model).__name__
+    if kind != "BPE" or "ByteLevel" not in json.dumps(_pre_tokenizer_spec(tokenizer)):
         raise LeanSFTError("GGUF export supports byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM style); "
-                           f"this one is {model.get('type')}", hint="export a Hugging Face folder (--to hf) instead")
+                           f"this one is {kind}", hint="export a Hugging Face folder (--to hf) instead")
     vocab = tokenizer.get_vocab()
     if max(vocab.values()) >= n_vocab:
         raise LeanSFTError(f"GGUF export: the tokenizer has ids up to {max(vocab.values())} but the model embeds "

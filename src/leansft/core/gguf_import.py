@@ -11,7 +11,6 @@ byte-level tokenizer with GPT-2's split wherever it does not know the file's ``t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +77,7 @@ def _split_as_named(tokenizer, fields: dict, file: str) -> None:
     pre = fields.get("tokenizer.ggml.pre")
     if fields.get("tokenizer.ggml.model") != "gpt2" or pre in (None, "default", "gpt-2"):
         return  # GPT-2's split is the file's own, or the file names none (older converters)
-    if json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer", {}).get("type") != "ByteLevel":
+    if not isinstance(tokenizer.backend_tokenizer.pre_tokenizer, pre_tokenizers.ByteLevel):
         return  # transformers set the split this name stands for itself
     if pre not in PRE_TOKENIZERS:
         raise ModelError(f"transformers builds this GGUF's tokenizer without its pre-tokenizer '{pre}': it would "
