@@ -170,6 +170,34 @@ def test_gguf_pre_tokenizer_is_llama_cpps_name_or_refused(tiny_bpe_path, qwen25_
         pre_tokenizer(tiny)
 
 
+def test_gguf_export_names_the_templates_stop_token_so_llama_cpp_stops_there(tmp_path, tiny_bpe_path):
+    """llama.cpp ends generation on the file's eos/eot/eom ids and a list of known texts. A template that closes
+    answers with another token (here ``<|end_of_msg|>``, eos being ``<|im_end|>``) has it written as eot, or the
+    model trained to stop there generates past it in llama.cpp; more stops than the file can name are refused."""
+    import torch
+    import transformers as tf
+
+    from leansft.core.gguf_export import export_gguf
+    from leansft.tools.cli import main
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|end_of_msg|>", "<|x|>", "<|y|>"]})
+    tok.chat_template = tok.chat_template.replace("<|im_end|>", "<|end_of_msg|>")
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         vocab_size=len(tok), max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    assert main(["export", str(tmp_path / "m"), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 0
+    meta, _ = _gguf_fields(tmp_path / "m.gguf")
+    ids = tok.convert_tokens_to_ids(["<|im_end|>", "<|end_of_msg|>", "<|x|>", "<|y|>"])
+    assert (meta["tokenizer.ggml.eos_token_id"], meta["tokenizer.ggml.eot_token_id"]) == tuple(ids[:2])
+    assert "tokenizer.ggml.eom_token_id" not in meta
+    with pytest.raises(LeanSFTError, match="would not stop generating"):
+        export_gguf(model, tok, None, tmp_path / "n.gguf", "f32", ids)
+
+
 def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(tmp_path, tiny_bpe_path):
     """What llama.cpp reads and transformers' GGUF reader does not check: Llama 3's rotary scaling as the
     ``rope_freqs`` divisors (default frequencies / rope_freqs = transformers' own scaled frequencies), q/k

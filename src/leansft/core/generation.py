@@ -12,11 +12,13 @@ from leansft.core.data.formats import Conversation
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 
 
-def stop_token_ids(tokenizer, template: ChatTemplate) -> list[int]:
+def stop_token_ids(tokenizer, template: ChatTemplate | None) -> list[int]:
     """eos, the generation config's eos ids, and the template's end-of-turn token (the stop token that ends an
     assistant turn's loss)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     ids |= set(getattr(tokenizer, "generation_eos_ids", None) or [])
+    if template is None:
+        return sorted(ids)
     conv = Conversation(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
     try:
         ((_, labels),), = ChatEncoder(tokenizer, template).encode([conv])

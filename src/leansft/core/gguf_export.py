@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
 
@@ -28,6 +29,11 @@ from leansft.core.gguf_pretokenizers import CHKTXT, PRE_TOKENIZERS
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 DTYPES = get_args(GGUFDType)
+# Token texts llama.cpp ends generation on whatever the file says (llama-vocab.cpp's EOG list); it also stops on
+# the file's eos, eot and eom ids. Any other stop token must be one of those ids or llama.cpp generates past it.
+LLAMA_CPP_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                                 "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
+                                 "<end_of_utterance>"})
 # GPT-2's own pre-tokenizer (its regex, no prefix space): llama.cpp's ``gpt-2`` for a vocabulary it has no hash of
 _GPT2_PRE = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
 
@@ -117,6 +123,20 @@ def _special_vocab(model, tokenizer, n_vocab: int):
     return special
 
 
+def _add_generation_stops(special, tokenizer, stop_ids) -> None:
+    """Name the stop tokens llama.cpp would not stop on by itself (not eos, not a text it knows: a template's
+    own end-of-turn token) as the file's eot/eom ids, which llama.cpp ends generation on; refused where more
+    are left than those two slots."""
+    named = {special.special_token_ids.get(k) for k in ("eos", "eot", "eom")}
+    missing = [i for i in stop_ids if i not in named and tokenizer.convert_ids_to_tokens(i) not in LLAMA_CPP_EOG_TEXTS]
+    free = [k for k in ("eot", "eom") if k not in special.special_token_ids]
+    if len(missing) > len(free):
+        raise LeanSFTError(f"GGUF export: llama.cpp would not stop generating at the stop tokens "
+                           f"{tokenizer.convert_ids_to_tokens(missing)} (a GGUF names at most an eot and an eom "
+                           "token besides eos)", hint="export a Hugging Face folder (--to hf) instead")
+    special.special_token_ids.update(zip(free, missing))
+
+
 def llama3_rope_factors(base: float, head_dim: int, factor: float, low: float, high: float, old: int) -> np.ndarray:
     """Llama 3's rotary scaling as llama.cpp stores it: the divisor of each default frequency (its converter's
     ``rope_freqs``)."""
@@ -157,8 +177,10 @@ def _rope_scaling(cfg, head_dim: int) -> tuple[dict, np.ndarray | None]:
                        hint="export a Hugging Face folder (--to hf) instead")
 
 
-def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: str = "f16") -> Path:
-    """Write ``model`` (a transformers causal LM, LoRA already merged) and ``tokenizer`` to ``path``."""
+def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: str = "f16",
+                stop_ids: Sequence[int] = ()) -> Path:
+    """Write ``model`` (a transformers causal LM, LoRA already merged) and ``tokenizer`` to ``path``;
+    ``stop_ids``: the tokens generation stops at (``generation.stop_token_ids``), all made llama.cpp's stops."""
     import gguf  # the optional [gguf] extra
 
     cfg = model.config
@@ -176,6 +198,7 @@ def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: 
     scaling, rope_freqs = _rope_scaling(cfg, head_dim)
     special = _special_vocab(model, tokenizer, n_vocab)
     special.chat_template = chat_template  # the template the run trained with, not necessarily the tokenizer's
+    _add_generation_stops(special, tokenizer, stop_ids)
     tmp = path.with_name(path.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
     writer.add_name(f"{cfg.model_type} (leansft)" if cfg.model_type != "mistral" else "mistral (leansft)")

@@ -19,6 +19,7 @@ from leansft.core.data.tokenizer import load_tokenizer
 from leansft.core.errors import LeanSFTError
 from leansft.core.export import export
 from leansft.core.forward import LossModule
+from leansft.core.generation import stop_token_ids
 from leansft.core.gguf_export import export_gguf
 from leansft.core.models import load_model, merged_plain_model, resolve_model_path
 from leansft.core.paths import default_cache_dir
@@ -64,6 +65,7 @@ def export_source(source: str, to: str, out: str, dtype: str = "f16") -> Path:
     model, tokenizer, template, cfg = load_source(source)
     target = Path(out)
     if to == "gguf":
-        return export_gguf(model, tokenizer, template.source if template else None, target, dtype)
+        return export_gguf(model, tokenizer, template.source if template else None, target, dtype,
+                           stop_token_ids(tokenizer, template))
     return export(model, tokenizer, template or ChatTemplate("tokenizer", tokenizer.chat_template or ""), target,
                   cfg)
