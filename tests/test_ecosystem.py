@@ -198,6 +198,30 @@ def test_gguf_export_names_the_templates_stop_token_so_llama_cpp_stops_there(tmp
         export_gguf(model, tok, None, tmp_path / "n.gguf", "f32", ids)
 
 
+@pytest.mark.parametrize("arch,window,expected", [
+    ("mistral", 16, 16), ("mistral", None, 256), ("mistral", 4096, 256),
+    ("qwen2", 16, 16), ("qwen2", None, 256)])
+def test_gguf_states_a_sliding_window_as_its_context(tmp_path, tiny_bpe_path, caplog, arch, window, expected):
+    """llama.cpp runs Llama/Qwen2 graphs without a sliding window (checked: a Mistral with a 16-token window gave
+    the HF logits up to token 16 and 16% off after it), so a window inside the model's context becomes the
+    context length the GGUF states, with a warning; Qwen2 without use_sliding_window keeps its context."""
+    import logging
+
+    import transformers as tf
+
+    from leansft.core.gguf_export import export_gguf
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              vocab_size=len(tok), max_position_embeddings=256)
+    cfg = (tf.MistralConfig(sliding_window=window, **kw) if arch == "mistral" else
+           tf.Qwen2Config(use_sliding_window=window is not None, sliding_window=window, max_window_layers=1, **kw))
+    with caplog.at_level(logging.WARNING, logger="leansft"):
+        meta, _ = _gguf_fields(export_gguf(tf.AutoModelForCausalLM.from_config(cfg), tok, None, tmp_path / "m.gguf"))
+    assert meta[f"{'llama' if arch == 'mistral' else 'qwen2'}.context_length"] == expected
+    assert ("sliding window" in caplog.text) == (expected == 16)
+
+
 def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(tmp_path, tiny_bpe_path):
     """What llama.cpp reads and transformers' GGUF reader does not check: Llama 3's rotary scaling as the
     ``rope_freqs`` divisors (default frequencies / rope_freqs = transformers' own scaled frequencies), q/k

@@ -7,13 +7,15 @@ name (llama.cpp splits text with a default regex without it), the vocabulary pad
 token types, special tokens and merges read by the ``gguf`` package's ``SpecialVocab`` as the converter
 reads them, the rotary scaling (Llama 3's per-frequency factors as a ``rope_freqs`` tensor, linear and YaRN
 as metadata; other kinds refused), q/k weights and biases permuted for the ``llama`` rotary layout, norms in
-float32, a tied output layer written once. Others are refused.
+float32, a tied output layer written once. A sliding window (Mistral v0.1) llama.cpp does not apply to these
+graphs is stated as the context length, with a warning. Others are refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import tempfile
 from collections.abc import Sequence
@@ -26,6 +28,8 @@ import torch
 from leansft.core.config import GGUFDType
 from leansft.core.errors import LeanSFTError
 from leansft.core.gguf_pretokenizers import CHKTXT, PRE_TOKENIZERS
+
+log = logging.getLogger("leansft")
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 DTYPES = get_args(GGUFDType)
@@ -177,6 +181,22 @@ def _rope_scaling(cfg, head_dim: int) -> tuple[dict, np.ndarray | None]:
                        hint="export a Hugging Face folder (--to hf) instead")
 
 
+def context_length(cfg) -> int:
+    """The context the GGUF states: the model's, or its sliding window where one applies within it. llama.cpp's
+    ``llama``/``qwen2`` graphs attend to every earlier token (they read no window), so past the window the file
+    is another model; up to it, the same. Stated that way, llama.cpp warns when a prompt goes past it."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None  # Qwen2 without use_sliding_window: every layer attends to everything
+    if window and window < cfg.max_position_embeddings:
+        log.warning("GGUF export: llama.cpp runs %s without its %d-token sliding window, so the file is this model up "
+                    "to %d tokens; its context length says %d (not %d)", cfg.model_type, window, window, window,
+                    cfg.max_position_embeddings)
+        return int(window)
+    return int(cfg.max_position_embeddings)
+
+
 def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: str = "f16",
                 stop_ids: Sequence[int] = ()) -> Path:
     """Write ``model`` (a transformers causal LM, LoRA already merged) and ``tokenizer`` to ``path``;
@@ -202,7 +222,7 @@ def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: 
     tmp = path.with_name(path.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
     writer.add_name(f"{cfg.model_type} (leansft)" if cfg.model_type != "mistral" else "mistral (leansft)")
-    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_context_length(context_length(cfg))
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
