@@ -254,6 +254,10 @@ def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(
     assert meta["llama.attention.key_length"] == meta["llama.attention.value_length"] == 32
     assert len(meta["tokenizer.ggml.tokens"]) == cfg.vocab_size == meta["llama.vocab_size"]
     assert meta["tokenizer.ggml.tokens"][-1] == f"[PAD{cfg.vocab_size - 1}]" and meta["tokenizer.ggml.token_type"][-1] == 5
+    qwen2 = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           head_dim=32, vocab_size=len(tok))  # llama.cpp refuses to load it (tensor shapes)
+    with pytest.raises(LeanSFTError, match="head size of hidden/heads"):
+        export_gguf(tf.AutoModelForCausalLM.from_config(qwen2), tok, None, tmp_path / "q.gguf", "f32")
 
 
 @pytest.mark.parametrize("rope,expected", [

@@ -215,6 +215,10 @@ def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: 
     pre = pre_tokenizer(tokenizer)
     n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+    if arch == "qwen2" and head_dim * n_head != cfg.hidden_size:  # llama.cpp's qwen2 tensors are hidden x hidden
+        raise LeanSFTError(f"GGUF export: llama.cpp's qwen2 graph needs a head size of hidden/heads "
+                           f"({cfg.hidden_size // n_head}), this model's is {head_dim}: llama.cpp would not load it",
+                           hint="export a Hugging Face folder (--to hf) instead")
     scaling, rope_freqs = _rope_scaling(cfg, head_dim)
     special = _special_vocab(model, tokenizer, n_vocab)
     special.chat_template = chat_template  # the template the run trained with, not necessarily the tokenizer's
