@@ -226,7 +226,8 @@ def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(
     """What llama.cpp reads and transformers' GGUF reader does not check: Llama 3's rotary scaling as the
     ``rope_freqs`` divisors (default frequencies / rope_freqs = transformers' own scaled frequencies), q/k
     biases in llama.cpp's rotary layout, a head size other than hidden/heads, and embedding rows past the
-    tokenizer's last id listed as unused tokens."""
+    tokenizer's last id listed as unused tokens. Refused: a Qwen2 head size llama.cpp's qwen2 graph cannot load,
+    and weights float16 would write as inf."""
     import torch
     import transformers as tf
 
@@ -258,6 +259,10 @@ def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(
                            head_dim=32, vocab_size=len(tok))  # llama.cpp refuses to load it (tensor shapes)
     with pytest.raises(LeanSFTError, match="head size of hidden/heads"):
         export_gguf(tf.AutoModelForCausalLM.from_config(qwen2), tok, None, tmp_path / "q.gguf", "f32")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = 1e5  # inf in float16
+    with pytest.raises(LeanSFTError, match="past float16's range"):
+        export_gguf(model, tok, None, tmp_path / "m16.gguf", "f16")
 
 
 @pytest.mark.parametrize("rope,expected", [

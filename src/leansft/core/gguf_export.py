@@ -277,6 +277,9 @@ def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: 
         if data.ndim == 1 or dtype == "f32":
             writer.add_tensor(name, data.astype(np.float32))
         elif dtype == "f16":
+            if np.abs(data).max() > np.finfo(np.float16).max:  # would be written as inf
+                raise LeanSFTError(f"GGUF export: '{hf_name}' has values past float16's range (65504)",
+                                   hint="export with --dtype bf16 or f32")
             writer.add_tensor(name, data.astype(np.float16))
         else:
             bf16 = torch.from_numpy(data).to(torch.bfloat16).view(torch.int16).numpy()
