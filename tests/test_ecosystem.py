@@ -263,6 +263,7 @@ def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(
         model.model.layers[0].mlp.up_proj.weight[0, 0] = 1e5  # inf in float16
     with pytest.raises(LeanSFTError, match="past float16's range"):
         export_gguf(model, tok, None, tmp_path / "m16.gguf", "f16")
+    assert not list(tmp_path.glob("m16*"))  # nothing half-written left behind
 
 
 @pytest.mark.parametrize("rope,expected", [
