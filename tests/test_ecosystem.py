@@ -194,6 +194,7 @@ def test_gguf_export_names_the_templates_stop_token_so_llama_cpp_stops_there(tmp
     ids = tok.convert_tokens_to_ids(["<|im_end|>", "<|end_of_msg|>", "<|x|>", "<|y|>"])
     assert (meta["tokenizer.ggml.eos_token_id"], meta["tokenizer.ggml.eot_token_id"]) == tuple(ids[:2])
     assert "tokenizer.ggml.eom_token_id" not in meta
+    assert list(meta["tokenizer.ggml.eos_token_ids"]) == sorted(ids[:2])  # what Ollama's engines stop on
     with pytest.raises(LeanSFTError, match="would not stop generating"):
         export_gguf(model, tok, None, tmp_path / "n.gguf", "f32", ids)
 

@@ -200,7 +200,8 @@ def context_length(cfg) -> int:
 def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: str = "f16",
                 stop_ids: Sequence[int] = ()) -> Path:
     """Write ``model`` (a transformers causal LM, LoRA already merged) and ``tokenizer`` to ``path``;
-    ``stop_ids``: the tokens generation stops at (``generation.stop_token_ids``), all made llama.cpp's stops."""
+    ``stop_ids``: the tokens generation stops at (``generation.stop_token_ids``), all made llama.cpp's stops
+    (eot/eom ids) and Ollama's (its converter's ``tokenizer.ggml.eos_token_ids`` list)."""
     import gguf  # the optional [gguf] extra
 
     cfg = model.config
@@ -257,6 +258,8 @@ def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: 
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     special.add_to_gguf(writer, quiet=True)
+    if set(stop_ids) - {special.special_token_ids.get("eos")}:  # Ollama's engines stop on eos and this list
+        writer.add_array("tokenizer.ggml.eos_token_ids", sorted(int(i) for i in stop_ids))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2,
                                      cfg.num_hidden_layers)
     if rope_freqs is not None:
