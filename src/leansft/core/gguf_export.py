@@ -127,10 +127,10 @@ def _special_vocab(model, tokenizer, n_vocab: int):
     return special
 
 
-def _add_generation_stops(special, tokenizer, stop_ids) -> None:
-    """Name the stop tokens llama.cpp would not stop on by itself (not eos, not a text it knows: a template's
-    own end-of-turn token) as the file's eot/eom ids, which llama.cpp ends generation on; refused where more
-    are left than those two slots."""
+def _add_generation_stops(writer, special, tokenizer, stop_ids) -> None:
+    """Make every stop token a stop in llama.cpp and Ollama. llama.cpp stops on eos, eot, eom and texts it knows:
+    the others (a template's own end-of-turn token) become the free eot/eom ids, refused where more are left
+    than those two slots. Ollama's engines stop on eos and the ``eos_token_ids`` list its converter writes."""
     named = {special.special_token_ids.get(k) for k in ("eos", "eot", "eom")}
     missing = [i for i in stop_ids if i not in named and tokenizer.convert_ids_to_tokens(i) not in LLAMA_CPP_EOG_TEXTS]
     free = [k for k in ("eot", "eom") if k not in special.special_token_ids]
@@ -138,7 +138,10 @@ def _add_generation_stops(special, tokenizer, stop_ids) -> None:
         raise LeanSFTError(f"GGUF export: llama.cpp would not stop generating at the stop tokens "
                            f"{tokenizer.convert_ids_to_tokens(missing)} (a GGUF names at most an eot and an eom "
                            "token besides eos)", hint="export a Hugging Face folder (--to hf) instead")
-    special.special_token_ids.update(zip(free, missing))
+    for kind, i in zip(free, missing):
+        getattr(writer, f"add_{kind}_token_id")(i)
+    if set(stop_ids) - {special.special_token_ids.get("eos")}:
+        writer.add_array("tokenizer.ggml.eos_token_ids", sorted(int(i) for i in stop_ids))
 
 
 def llama3_rope_factors(base: float, head_dim: int, factor: float, low: float, high: float, old: int) -> np.ndarray:
@@ -223,7 +226,6 @@ def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: 
     scaling, rope_freqs = _rope_scaling(cfg, head_dim)
     special = _special_vocab(model, tokenizer, n_vocab)
     special.chat_template = chat_template  # the template the run trained with, not necessarily the tokenizer's
-    _add_generation_stops(special, tokenizer, stop_ids)
     tmp = path.with_name(path.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
     writer.add_name(f"{cfg.model_type} (leansft)" if cfg.model_type != "mistral" else "mistral (leansft)")
@@ -258,8 +260,7 @@ def export_gguf(model, tokenizer, chat_template: str | None, path: Path, dtype: 
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     special.add_to_gguf(writer, quiet=True)
-    if set(stop_ids) - {special.special_token_ids.get("eos")}:  # Ollama's engines stop on eos and this list
-        writer.add_array("tokenizer.ggml.eos_token_ids", sorted(int(i) for i in stop_ids))
+    _add_generation_stops(writer, special, tokenizer, stop_ids)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2,
                                      cfg.num_hidden_layers)
     if rope_freqs is not None:
