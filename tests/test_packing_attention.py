@@ -102,10 +102,10 @@ def test_packed_gradients_equal_the_sum_over_examples_alone(arch):
 def test_short_segments_attend_in_fp32_under_cpu_bf16_autocast():
     """The CPU's bf16 flash kernel is slower than its fp32 one on short segments: those run in fp32 (exact
     fp32 attention, returned in bf16 as autocast's would be); longer ones stay bf16 as autocast makes them."""
-    from leansft.core.attention import CPU_HALF_SEGMENT_MAX, _segment_attention
+    from leansft.core.attention import _segment_attention, cpu_half_segment_max
 
     g = torch.Generator().manual_seed(0)
-    for length, fp32 in ((12, True), (CPU_HALF_SEGMENT_MAX + 1, False)):
+    for length, fp32 in ((12, True), (cpu_half_segment_max(), True), (cpu_half_segment_max() + 1, False)):
         q, k, v = (torch.randn(1, h, length, 16, generator=g) for h in (4, 2, 2))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = _segment_attention(q, k, v, None, 0.0, None, None)
@@ -113,6 +113,17 @@ def test_short_segments_attend_in_fp32_under_cpu_bf16_autocast():
         exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, exact.bfloat16() if fp32 else bf16)
+
+
+def test_the_fp32_attention_limit_follows_the_cpus_bf16_units(monkeypatch):
+    """With AMX the bf16 kernel overtakes fp32 from ~384 tokens; with AVX512-BF16 alone only from ~768."""
+    from leansft.core import attention
+
+    for amx, limit in ((True, 256), (False, 512)):
+        attention.cpu_half_segment_max.cache_clear()
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert attention.cpu_half_segment_max() == limit
+    attention.cpu_half_segment_max.cache_clear()
 
 
 def test_positions_restart_per_example():

@@ -18,6 +18,7 @@ The varlen function refuses to run without segment boundaries rather than silent
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import itertools
 import logging
@@ -37,9 +38,19 @@ TORCH_VARLEN = "leansft_torch_varlen"
 PACKED_SAFE = {VARLEN, FLEX, TORCH_VARLEN, "flash_attention_2", "flash_attention_3"}
 HALF_ONLY = {TORCH_VARLEN, "flash_attention_2", "flash_attention_3"}  # kernels that compute in bf16/fp16 only
 _PLAIN = "_leansft_plain_attention"
-# Segments up to this length attend in fp32 on the CPU when the run is bf16/fp16 (measured with SmolLM2's
-# 9 x 64 heads, fwd+bwd: bf16 2.06 ms vs fp32 1.02 at 128 tokens, 3.16 vs 3.02 at 256, 5.58 vs 6.33 at 384).
-CPU_HALF_SEGMENT_MAX = 256
+# Segments up to this length attend in fp32 on the CPU when the run is bf16/fp16: the CPU's bf16 flash kernel is
+# slower there. Where it turns faster depends on the CPU (SmolLM2's 9 x 64 heads, fwd+bwd): with AMX, bf16 2.06 ms
+# vs fp32 1.02 at 128 tokens, 3.16 vs 3.02 at 256, 5.58 vs 6.33 at 384; with AVX512-BF16 and no AMX (Zen 4), 6.03
+# vs 4.47 at 256, 11.86 vs 9.73 at 384, 18.64 vs 18.51 at 512, 26.99 vs 34.51 at 768. A property of the CPU, not
+# a timing taken at start-up, so a run (and its resume) takes the same path on the same machine every time.
+CPU_HALF_SEGMENT_MAX_AMX = 256
+CPU_HALF_SEGMENT_MAX_OTHER = 512
+
+
+@functools.cache
+def cpu_half_segment_max() -> int:
+    """The longest segment that attends in fp32 under CPU bf16/fp16 on this machine."""
+    return CPU_HALF_SEGMENT_MAX_AMX if torch.cpu._is_amx_tile_supported() else CPU_HALF_SEGMENT_MAX_OTHER
 
 
 def _cpu_half_dtype(*xs: torch.Tensor) -> torch.dtype | None:
@@ -57,7 +68,7 @@ def _segment_attention(q, k, v, scaling, dropout, softcap, window, sinks=None) -
     attention sink (gpt-oss), a virtual key every query attends to with no value."""
     n_rep = q.shape[1] // k.shape[1]
     if softcap is None and sinks is None and (window is None or q.shape[2] <= window):
-        half = _cpu_half_dtype(q, k, v) if q.shape[2] <= CPU_HALF_SEGMENT_MAX else None
+        half = _cpu_half_dtype(q, k, v) if q.shape[2] <= cpu_half_segment_max() else None
         if half is not None:
             # The CPU's flash kernel is 2-3x slower in bf16 than in fp32 on short segments (its backward
             # above all); fp32 there is faster and more precise. Autocast would cast the inputs back.
