@@ -60,11 +60,25 @@ def test_softcap_and_bf16():
     assert float(loss.detach()) == pytest.approx(float(ref_loss), rel=1e-2)
 
 
-def test_cpu_bf16_autocast_head_takes_bf16_inputs_with_fp32_accumulation():
-    """Under CPU bf16 autocast the head's matmuls run as autocast runs a linear layer (bf16 inputs), but
-    accumulate and return fp32: the loss equals the exact loss of the bf16-rounded inputs, not a bf16 one."""
-    from leansft.recipe.builders import cpu_has_bf16_units
+def _onednn_bf16_mode_engages() -> bool:
+    """Whether oneDNN's bf16 mode for fp32 matmuls (``mkldnn.matmul.fp32_precision = "bf16"``) really multiplies
+    in bf16 on this CPU: it does with AMX; with AVX512-BF16 alone (a Zen 4 EPYC) it keeps fp32 products."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 32, generator=g), torch.randn(301, 32, generator=g)  # the shapes of the test's chunks
+    flag = torch.backends.mkldnn.matmul
+    was = flag.fp32_precision
+    flag.fp32_precision = "bf16"
+    try:
+        got = a @ b.t()
+    finally:
+        flag.fp32_precision = was
+    return not torch.equal(got, a @ b.t())
 
+
+def test_cpu_bf16_autocast_head_takes_bf16_inputs_with_fp32_accumulation():
+    """Under CPU bf16 autocast the head's matmuls run as autocast runs a linear layer (bf16 inputs) where oneDNN's
+    bf16 mode engages, but accumulate and return fp32: the loss equals the exact loss of the bf16-rounded inputs
+    there and the fp32 loss elsewhere, never a loss of bf16-rounded logits."""
     emb, ids, proj, labels, weight = setup(T=64, H=32, V=301)
     hidden = (emb[ids] @ proj).detach().requires_grad_()
     before = torch.backends.mkldnn.matmul.fp32_precision
@@ -73,21 +87,26 @@ def test_cpu_bf16_autocast_head_takes_bf16_inputs_with_fp32_accumulation():
     assert torch.backends.mkldnn.matmul.fp32_precision == before  # the switch is the loss's alone
     loss.backward()
     assert loss.dtype == torch.float32 and n == int((labels[0, 1:] != IGNORE_INDEX).sum())
-    rounded, _ = full_logits_loss(hidden.detach().bfloat16().double(), weight.detach().bfloat16().double(), labels)
-    # Without bf16 units oneDNN may keep fp32 products: then only bf16-level closeness holds.
-    assert float(loss) == pytest.approx(float(rounded), rel=1e-5 if cpu_has_bf16_units() else 1e-2)
     h32, w32 = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    full_logits_loss(h32, w32, labels)[0].backward()
+    fp32_loss = full_logits_loss(h32, w32, labels)[0]
+    fp32_loss.backward()
+    if not _onednn_bf16_mode_engages():  # fp32 products: the fp32 loss and gradients
+        assert float(loss) == pytest.approx(float(fp32_loss), rel=1e-5)
+        for got, ref in ((hidden.grad, h32.grad), (weight.grad, w32.grad)):
+            assert float((got - ref).norm() / ref.norm()) < 1e-5
+        return
+    rounded, _ = full_logits_loss(hidden.detach().bfloat16().double(), weight.detach().bfloat16().double(), labels)
+    assert float(loss) == pytest.approx(float(rounded), rel=1e-5)
     for got, ref in ((hidden.grad, h32.grad), (weight.grad, w32.grad)):  # bf16-level gradients
         assert float((got - ref).norm() / ref.norm()) < 1e-2
-    if cpu_has_bf16_units():  # the hidden-state gradient too is bf16 inputs, fp32 accumulated, not rounded after
-        h64, w64 = hidden.detach().bfloat16().double(), weight.detach().bfloat16().double()
-        keep = labels[0, 1:] != IGNORE_INDEX
-        probs = torch.softmax(h64[0, :-1][keep] @ w64.t(), -1)
-        probs[torch.arange(int(keep.sum())), labels[0, 1:][keep]] -= 1.0
-        exact = torch.zeros_like(h64[0])
-        exact[:-1][keep] = probs.float().bfloat16().double() @ w64
-        assert float((hidden.grad[0].double() - exact).norm() / exact.norm()) < 1e-4
+    # the hidden-state gradient too is bf16 inputs, fp32 accumulated, not rounded after
+    h64, w64 = hidden.detach().bfloat16().double(), weight.detach().bfloat16().double()
+    keep = labels[0, 1:] != IGNORE_INDEX
+    probs = torch.softmax(h64[0, :-1][keep] @ w64.t(), -1)
+    probs[torch.arange(int(keep.sum())), labels[0, 1:][keep]] -= 1.0
+    exact = torch.zeros_like(h64[0])
+    exact[:-1][keep] = probs.float().bfloat16().double() @ w64
+    assert float((hidden.grad[0].double() - exact).norm() / exact.norm()) < 1e-4
 
 
 def test_frozen_weight_gets_no_gradient():

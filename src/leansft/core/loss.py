@@ -24,7 +24,8 @@ from leansft.core.tied_embedding import accumulate_grad
 def _head_matmul_precision(device: torch.device):
     """Under CPU bf16 autocast the head's three matmuls (logits, hidden and weight gradients) take bf16
     inputs with fp32 accumulation and fp32 output (oneDNN, AMX: 2-3x the fp32 rate), as autocast runs every
-    other linear layer of the model; logits, softmax statistics and the loss stay fp32. Elsewhere: unchanged."""
+    other linear layer of the model; logits, softmax statistics and the loss stay fp32. Where oneDNN does not
+    engage its bf16 mode (AVX512-BF16 without AMX, e.g. Zen 4) the products stay fp32. Elsewhere: unchanged."""
     cpu_bf16 = (device.type == "cpu" and torch.is_autocast_enabled("cpu")
                 and torch.get_autocast_dtype("cpu") == torch.bfloat16)
     if not cpu_bf16:
