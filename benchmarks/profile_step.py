@@ -111,12 +111,12 @@ def build(over: list[str]):
     return engine, batcher.steps(Position(), 1), ThroughputWindow(model, device, None, 1), amp
 
 
-MATMUL = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation"}
+MATMUL = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation", "_linear_pointwise"}
 PHASES = ("data", "forward+loss", "backward", "clip", "optimizer")
 
 
 def kind_of(name: str) -> str:
-    base = name.removeprefix("aten::")
+    base = name.removeprefix("aten::").removeprefix("mkldnn::")
     if base in MATMUL or "mkldnn" in base:
         return "matmul"
     if "scaled_dot_product" in base or "flash_attention" in base or "flex_attention" in base:
@@ -172,7 +172,7 @@ def main() -> None:
     for ev in prof.key_averages():
         if ev.key in PHASES:
             phase[ev.key] += (ev.device_time_total if cuda and ev.key != "data" else ev.cpu_time_total) / 1e6
-        elif ev.key.startswith("aten::"):
+        elif ev.key.startswith(("aten::", "mkldnn::")):  # mkldnn::: oneDNN's linear (core/onednn_linear.py)
             kinds[kind_of(ev.key)] += (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / 1e6
     kinds["outside aten ops (Python, dispatch)"] = max(0.0, wall - sum(kinds.values()))
     per = lambda x: 1e3 * x / args.steps  # noqa: E731
@@ -186,7 +186,7 @@ def main() -> None:
     print("\n| op kind (self time) | ms/step | share |\n| --- | ---: | ---: |")
     for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"| {k} | {per(v):.0f} | {v / wall:.0%} |")
-    top = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")),
+    top = sorted((e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::"))),
                  key=lambda e: -(e.self_device_time_total if cuda else e.self_cpu_time_total))[:12]
     print("\ntop ops: " + ", ".join(f"{e.key.removeprefix('aten::')} {per((e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6):.0f}"
                                      for e in top))

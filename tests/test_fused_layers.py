@@ -166,3 +166,58 @@ def test_an_unfused_run_restores_transformers_rotary():
     restore_rotary()
     assert modeling_llama.apply_rotary_pos_emb is fused.args[0]
     assert modeling_llama.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"
+
+
+def test_onednn_linear_gives_the_plain_products():
+    """oneDNN's x W^T + b and its gradients equal torch's (MKL's) to fp32 rounding, for a 3-d, strided input."""
+    from leansft.core.onednn_linear import OneDNNLinear
+
+    g = torch.Generator().manual_seed(0)
+    for bias in (True, False):
+        x0 = torch.randn(2, 48, 5, generator=g).transpose(1, 2)  # [2, 5, 48], not contiguous
+        w0, b0 = torch.randn(24, 48, generator=g), torch.randn(24, generator=g) if bias else None
+        grad = torch.randn(2, 5, 24, generator=g)
+        results = []
+        for fn in (OneDNNLinear.apply, torch.nn.functional.linear):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            b = b0.clone().requires_grad_() if bias else None
+            out = fn(x, w, b)
+            out.backward(grad)
+            results.append([out, x.grad, w.grad] + ([b.grad] if bias else []))
+        for got, ref in zip(*results):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_plain_linear_layers_go_through_onednn_where_it_pays(monkeypatch, pays):
+    from leansft.core import onednn_linear
+
+    calls = []
+    monkeypatch.setattr(onednn_linear, "onednn_pays", lambda: pays)
+    monkeypatch.setattr(onednn_linear, "_LINEAR", lambda *a: calls.append(1) or torch.ops.mkldnn._linear_pointwise(*a))
+    model = _model("llama")
+    assert (fuse_layers(model)["linear"] > 0) == pays
+    loss, grads = _loss_and_grads(model, IDS)
+    assert bool(calls) == pays
+    calls.clear()
+    with plain_layers():
+        ref_loss, ref_grads = _loss_and_grads(model, IDS)
+    assert not calls
+    assert loss == pytest.approx(float(ref_loss), rel=1e-6)
+    assert float((grads - ref_grads).norm() / ref_grads.norm()) < 1e-5
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's own bf16 path
+        model(input_ids=IDS)
+    assert not calls
+
+
+def test_onednn_takes_the_linear_layers_on_avx512_cpus_not_made_by_intel(monkeypatch):
+    """MKL runs its AVX-512 kernels on Intel CPUs only; oneDNN uses AVX-512 wherever it is."""
+    from leansft.core import onednn_linear
+
+    for capability, vendor, pays in (("AVX512", "AuthenticAMD", True), ("AVX512", "GenuineIntel", False),
+                                     ("AVX2", "AuthenticAMD", False), ("AVX512", "", False)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        monkeypatch.setattr(onednn_linear, "cpu_vendor", lambda v=vendor: v)
+        onednn_linear.onednn_pays.cache_clear()
+        assert onednn_linear.onednn_pays() == pays, (capability, vendor)
+    onednn_linear.onednn_pays.cache_clear()

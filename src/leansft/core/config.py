@@ -135,8 +135,9 @@ class TrainingConfig(_Strict):
     compile: bool | Literal["auto"] = Field("auto", description="torch.compile each decoder layer (one compiled "
                                             "graph reused by every layer); auto: on CUDA only")
     fused_layers: bool = Field(True, description="on the CPU, uncompiled: Llama-style RMSNorm, rotary embedding and "
-                               "plain LoRA linear layers as autograd Functions with fewer memory passes (the "
-                               "same values to fp32 rounding)")
+                               "plain LoRA linear layers as autograd Functions with fewer memory passes, and fp32 "
+                               "linear layers through oneDNN on AVX-512 CPUs not made by Intel (the same values to "
+                               "fp32 rounding)")
     gradient_checkpointing: bool = False
     activation_offloading: bool = False
     loss_chunk_size: int = Field(1024, gt=0)

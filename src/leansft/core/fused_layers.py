@@ -8,6 +8,9 @@ full-width tensors forward and as many backward. Here each is one autograd Funct
 written out: the same values up to fp32 rounding (tests compare against the plain modules), 12-18% of a
 SmolLM2 LoRA step and 5-7% of the small Qwen2's on the dev CPU (benchmarks/README.md).
 
+On a CPU where oneDNN's fp32 matmuls beat MKL's (``core/onednn_linear.py``) plain ``nn.Linear`` layers and the
+fused LoRA's base product go through oneDNN too.
+
 Only code known to compute exactly this is replaced: an RMSNorm whose ``forward`` is Llama's, an
 ``apply_rotary_pos_emb``/``rotate_half`` pair that is Llama's (compared by syntax tree, so the many copies
 transformers ships match and Gemma's ``1 + weight`` norm or a partial rotary do not), and a peft
@@ -33,6 +36,7 @@ import weakref
 
 import torch
 
+from leansft.core import onednn_linear
 from leansft.core.models import adapters_take_input_as_is
 
 log = logging.getLogger("leansft")
@@ -109,8 +113,13 @@ class _LoraLinear(torch.autograd.Function):
         x2 = _cast_input(x, dtype).reshape(-1, x.shape[-1])
         a, b = lora_a.to(dtype), lora_b.to(dtype)
         xa = torch.mm(x2, a.t())
-        out = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
+        onednn = dtype == torch.float32 and onednn_linear.onednn_pays()  # the base product: ``core/onednn_linear.py``
+        if onednn:
+            out = onednn_linear.mm_t(x2, w, None if bias is None else bias.to(dtype))
+        else:
+            out = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
         out.addmm_(xa, b.t(), alpha=scale)
+        ctx.onednn = onednn
         ctx.save_for_backward(x2, xa, w, a, b)
         ctx.scale, ctx.x_shape = scale, x.shape
         return out.view(*x.shape[:-1], w.shape[0])
@@ -123,7 +132,10 @@ class _LoraLinear(torch.autograd.Function):
         ga = torch.mm(g_xa.t(), x2) if ctx.needs_input_grad[3] else None
         # (xa^T g2)^T, not g2^T xa: the BLAS runs this skinny product ~2x faster with the long side last
         gb = torch.mm(xa.t(), g2).t().mul_(ctx.scale) if ctx.needs_input_grad[4] else None
-        gx = torch.mm(g2, w).addmm_(g_xa, a).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[0]:
+            gx = (onednn_linear.mm_t(g2, w.t()) if ctx.onednn else torch.mm(g2, w)).addmm_(g_xa, a).view(ctx.x_shape)
+        else:
+            gx = None
         return gx, None, None, ga, gb, None
 
 
@@ -188,6 +200,12 @@ def _rotary(original, q, k, cos, sin, unsqueeze_dim=1):
             or torch.broadcast_shapes(k.shape, c.shape) != k.shape):
         return original(q, k, cos, sin, unsqueeze_dim)
     return _Rotary.apply(q, c, s), _Rotary.apply(k, c, s)
+
+
+def _linear_forward(module, x):
+    if _as_shipped() or not onednn_linear.applies(x, module.weight, module.bias):
+        return type(module).forward(module, x)
+    return onednn_linear.OneDNNLinear.apply(x, module.weight, module.bias)
 
 
 def _lora_forward(module, x, *args, **kwargs):
@@ -262,11 +280,15 @@ def fuse_layers(model, keep_weight_casts: bool = True) -> dict[str, int]:
     model of that architecture in the process (the replacement computes the same values).
     ``keep_weight_casts``: frozen LoRA base weights keep their autocast copy between steps (False under
     gradient checkpointing)."""
-    counts = {"rms_norm": 0, "rotary": 0, "lora_linear": 0}
+    counts = {"rms_norm": 0, "rotary": 0, "lora_linear": 0, "linear": 0}
     modelings = set()
+    onednn = onednn_linear.onednn_pays()
     for m in model.modules():
         modelings.add(type(m).__module__)
-        if is_llama_rms_norm(m):
+        if onednn and type(m) is torch.nn.Linear:
+            m.forward = types.MethodType(_linear_forward, m)
+            counts["linear"] += 1
+        elif is_llama_rms_norm(m):
             m.forward = types.MethodType(_rms_norm_forward, m)
             counts["rms_norm"] += 1
         elif is_plain_lora_linear(m):
