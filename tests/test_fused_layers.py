@@ -188,14 +188,17 @@ def test_onednn_linear_gives_the_plain_products():
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pays", [True, False])
-def test_plain_linear_layers_go_through_onednn_where_it_pays(monkeypatch, pays):
+@pytest.mark.parametrize("pays,lora", [(True, None), (False, None), (True, LORA)])
+def test_plain_linear_layers_go_through_onednn_where_it_pays(monkeypatch, pays, lora):
+    """Plain fp32 linear layers, and the fused LoRA's frozen base product, through oneDNN where it pays: the
+    plain model's loss and gradients; never inside ``plain_layers()`` or under autocast."""
     from leansft.core import onednn_linear
 
     calls = []
     monkeypatch.setattr(onednn_linear, "onednn_pays", lambda: pays)
-    monkeypatch.setattr(onednn_linear, "_LINEAR", lambda *a: calls.append(1) or torch.ops.mkldnn._linear_pointwise(*a))
-    model = _model("llama")
+    real = onednn_linear.mm_t
+    monkeypatch.setattr(onednn_linear, "mm_t", lambda *a: calls.append(1) or real(*a))
+    model = _model("llama", lora)
     assert (fuse_layers(model)["linear"] > 0) == pays
     loss, grads = _loss_and_grads(model, IDS)
     assert bool(calls) == pays

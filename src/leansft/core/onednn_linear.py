@@ -3,7 +3,7 @@
 Why: on the CPU PyTorch multiplies fp32 matrices with MKL, which takes its AVX-512 kernels on Intel CPUs
 only; on an AMD CPU with AVX-512 (Zen 4) it runs its AVX2 code, while oneDNN (also inside PyTorch) uses
 the AVX-512 units. Measured on a Zen 4 EPYC at SmolLM2's shapes: x W^T and g W 14-36% faster, and a SmolLM2
-full fine-tuning step 7-14% shorter (benchmarks/README.md). The weight gradient g^T x stays with MKL
+full fine-tuning step 6-26% shorter (benchmarks/README.md). The weight gradient g^T x stays with MKL
 (oneDNN was not faster there). On Intel CPUs and on AVX2-only CPUs nothing changes (on an AVX2 EPYC the
 same swap gained nothing in the step).
 
@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 
-_LINEAR = torch.ops.mkldnn._linear_pointwise
-
 
 @functools.cache
 def onednn_pays() -> bool:
     """True on a CPU with AVX-512 not made by Intel, where oneDNN is built in (a property of the machine)."""
-    if not torch.backends.mkldnn.is_available() or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    if (not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
         return False
     return cpu_vendor() not in ("GenuineIntel", "")
 
@@ -42,7 +41,7 @@ def cpu_vendor() -> str:
 
 def mm_t(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ w^T + bias`` by oneDNN."""
-    return _LINEAR(a, w, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(a, w, bias, "none", [], "")
 
 
 class OneDNNLinear(torch.autograd.Function):
