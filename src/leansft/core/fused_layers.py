@@ -283,9 +283,13 @@ def fuse_layers(model, keep_weight_casts: bool = True) -> dict[str, int]:
     counts = {"rms_norm": 0, "rotary": 0, "lora_linear": 0, "linear": 0}
     modelings = set()
     onednn = onednn_linear.onednn_pays()
+    # Not through their own forward: an adapter's A and B, and the base of a LoRA layer fused below
+    # (its Function runs the base product itself).
+    inside = {id(p) for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "lora_B")
+              for p in [*m.lora_A.values(), *m.lora_B.values(), *([m.base_layer] if is_plain_lora_linear(m) else [])]}
     for m in model.modules():
         modelings.add(type(m).__module__)
-        if onednn and type(m) is torch.nn.Linear:
+        if onednn and type(m) is torch.nn.Linear and id(m) not in inside:
             m.forward = types.MethodType(_linear_forward, m)
             counts["linear"] += 1
         elif is_llama_rms_norm(m):
