@@ -45,6 +45,24 @@ def test_exact_against_full_logits(chunk, tied, ignore):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pays", [True, False])
+def test_onednn_head_products_where_they_pay(monkeypatch, pays):
+    """On CPUs where oneDNN's fp32 products beat MKL's the logits and the hidden-state gradient go through it (over
+    several chunks, with the weight tied or not), and the loss and both gradients stay the full-logits ones."""
+    from leansft.core import onednn_linear
+
+    calls = []
+    real = onednn_linear.mm_t
+    monkeypatch.setattr(onednn_linear, "onednn_pays", lambda: pays)
+    monkeypatch.setattr(onednn_linear, "mm_t", lambda *a: calls.append(1) or real(*a))
+    for tied in (False, True):
+        ref = grads(full_logits_loss, None, tied, True)
+        got = grads(chunked_loss, 8, tied, True)
+        for a, b in zip((got[0], got[2], got[3]), (ref[0], ref[2], ref[3])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert len(calls) == (2 * 2 * 3 if pays else 0)  # logits and hidden gradient, 3 chunks of 8 (24 targets), twice
+
+
 def test_softcap_and_bf16():
     ref = grads(full_logits_loss, None, False, True, softcap=5.0)
     got = grads(chunked_loss, 7, False, True, softcap=5.0)

@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 
+from leansft.core import onednn_linear
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ConfigError
 from leansft.core.tied_embedding import accumulate_grad
@@ -55,14 +56,21 @@ class _ChunkedLinearCE(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         w = weight
         fp32 = hidden.dtype == torch.float32 and w.dtype == torch.float32
-        # One logits buffer for every chunk, and softmax statistics computed in it in place: on the CPU a
-        # fresh [chunk, vocab] tensor per op costs page faults comparable to the arithmetic itself.
+        # Where oneDNN's fp32 products beat MKL's (``core/onednn_linear.py``) the logits and the hidden-state
+        # gradient go through it (the weight gradient stays with MKL, faster there). Else one logits buffer for
+        # every chunk, and softmax statistics computed in it in place: on the CPU a fresh [chunk, vocab] tensor
+        # per op costs page faults comparable to the arithmetic itself (oneDNN's product returns a fresh
+        # tensor; it still wins, faults included, and the statistics are computed in it in place all the same).
+        dnn = fp32 and onednn_linear.onednn_pays() and onednn_linear.applies(hidden, w, None)
         buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=torch.float32,
-                          device=hidden.device) if fp32 else None
+                          device=hidden.device) if fp32 and not dnn else None
         for s in range(0, hidden.shape[0], chunk_size):
             h = hidden[s : s + chunk_size]
             t = targets[s : s + chunk_size]
-            logits = torch.mm(h, w.t(), out=buf[: len(h)]) if fp32 else (h @ w.t()).float()
+            if dnn:
+                logits = onednn_linear.mm_t(h, w)
+            else:
+                logits = torch.mm(h, w.t(), out=buf[: len(h)]) if fp32 else (h @ w.t()).float()
             if bias is not None:
                 logits += bias.float()
             if scale != 1.0:
@@ -87,7 +95,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     g *= 1.0 - capped * capped
                 if scale != 1.0:
                     g *= scale
-                if need_h and fp32:  # into its rows; an out= matmul is outside autocast (fp32 out, see above)
+                if need_h and dnn:
+                    grad_h[s : s + chunk_size] = onednn_linear.mm_t(g, w.t())
+                elif need_h and fp32:  # into its rows; an out= matmul is outside autocast (fp32 out, see above)
                     torch.mm(g, w, out=grad_h[s : s + chunk_size])
                 elif need_h:
                     grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)

@@ -4,8 +4,10 @@ Why: on the CPU PyTorch multiplies fp32 matrices with MKL, which takes its AVX-5
 only; on an AMD CPU with AVX-512 (Zen 4) it runs its AVX2 code, while oneDNN (also inside PyTorch) uses
 the AVX-512 units. Measured on a Zen 4 EPYC at SmolLM2's shapes: x W^T and g W 14-36% faster, and a SmolLM2
 full fine-tuning step 6-26% shorter (benchmarks/README.md). The weight gradient g^T x stays with MKL
-(oneDNN was not faster there). On Intel CPUs and on AVX2-only CPUs nothing changes (on an AVX2 EPYC the
-same swap gained nothing in the step).
+(oneDNN was not faster there). The loss head (``core/loss.py``) takes the same rule for its logits and
+hidden-state gradient (the head's forward and backward 19% faster, paired, at SmolLM2's and the fair workload's
+shapes). On Intel CPUs and on AVX2-only CPUs nothing changes (on an AVX2 EPYC the same swap gained nothing in
+the step).
 
 Same products, other summation order: results differ from MKL's in the last bits, as two BLAS libraries
 do; verify-before-train compares the run's forward and loss with the plain model (MKL) as always.
