@@ -56,11 +56,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         w = weight
         fp32 = hidden.dtype == torch.float32 and w.dtype == torch.float32
-        # Where oneDNN's fp32 products beat MKL's (``core/onednn_linear.py``) the logits and the hidden-state
-        # gradient go through it (the weight gradient stays with MKL, faster there). Else one logits buffer for
-        # every chunk, and softmax statistics computed in it in place: on the CPU a fresh [chunk, vocab] tensor
-        # per op costs page faults comparable to the arithmetic itself (oneDNN's product returns a fresh
-        # tensor; it still wins, faults included, and the statistics are computed in it in place all the same).
+        # Logits and hidden-state gradient through oneDNN where its fp32 products beat MKL's
+        # (``core/onednn_linear.py``; the weight gradient stays with MKL). Elsewhere one logits buffer serves every
+        # chunk: on the CPU a fresh [chunk, vocab] tensor per op costs page faults comparable to the arithmetic
+        # (oneDNN returns a fresh tensor and still wins). Softmax statistics are computed in the logits in place.
         dnn = fp32 and onednn_linear.onednn_pays() and onednn_linear.applies(hidden, w, None)
         buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=torch.float32,
                           device=hidden.device) if fp32 and not dnn else None
