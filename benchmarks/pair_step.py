@@ -33,11 +33,10 @@ def switch(name: str):
 
     state = {"on": True}
     pays, applies = onednn_linear.onednn_pays, onednn_linear.applies
-    if name == "onednn":
+    if name == "onednn":  # the rule every oneDNN path asks (``applies`` asks it too)
         onednn_linear.onednn_pays = lambda: state["on"] and pays()
-        onednn_linear.applies = lambda *a: state["on"] and applies(*a)
     elif name == "onednn-head":
-        loss.onednn_linear = types.SimpleNamespace(onednn_pays=lambda: state["on"] and pays(), applies=applies,
+        loss.onednn_linear = types.SimpleNamespace(applies=lambda *a: state["on"] and applies(*a),
                                                    mm_t=onednn_linear.mm_t)
     else:
         raise SystemExit(f"unknown switch {name!r}")

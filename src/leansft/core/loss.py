@@ -60,7 +60,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # (``core/onednn_linear.py``; the weight gradient stays with MKL). Elsewhere one logits buffer serves every
         # chunk: on the CPU a fresh [chunk, vocab] tensor per op costs page faults comparable to the arithmetic
         # (oneDNN returns a fresh tensor and still wins). Softmax statistics are computed in the logits in place.
-        dnn = fp32 and onednn_linear.onednn_pays() and onednn_linear.applies(hidden, w, None)
+        dnn = onednn_linear.applies(hidden, w, None)
         buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=torch.float32,
                           device=hidden.device) if fp32 and not dnn else None
         for s in range(0, hidden.shape[0], chunk_size):

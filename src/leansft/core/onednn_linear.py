@@ -67,8 +67,8 @@ class OneDNNLinear(torch.autograd.Function):
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether this call can go through oneDNN: fp32 on the CPU outside autocast, plain tensors, rows to
-    multiply (sharded or quantised weights, and autocast's bf16 path, keep the original code)."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0
+    """Whether this call goes through oneDNN: on a machine where it pays, fp32 on the CPU outside autocast, plain
+    tensors, rows to multiply (sharded or quantised weights, and autocast's bf16 path, keep the original code)."""
+    return (onednn_pays() and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0
             and not torch.is_autocast_enabled("cpu") and type(weight.data) is torch.Tensor
             and (bias is None or (bias.dtype == torch.float32 and type(bias.data) is torch.Tensor)))
