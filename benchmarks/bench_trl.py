@@ -8,8 +8,9 @@ Each side runs in its own subprocess: a short pass under the live-tensor memory 
 then the timed run. Sides alternate (TRL, leansft, TRL, leansft, ...) for ``--pairs`` pairs, so a busy
 machine slows both alike. Real tokens/s: TRL's over ``trainer.train()``, leansft's over its training
 steps (model loading, data preparation, the pre-flight verification and the export are outside both).
-leansft's side runs under the glibc malloc settings ``leansft train`` gives itself (``tools/allocator.py``);
-``--same-malloc`` gives TRL's side the same, for the difference that makes alone.
+leansft's side runs under the glibc malloc settings ``leansft train`` gives itself (``tools/allocator.py``)
+and, on AVX-512 CPUs not made by Intel, with MKL's AVX-512 kernels (``core/mkl_kernels.py``); ``--same-malloc``
+and ``--same-mkl`` give TRL's side the same, for the difference each makes alone.
 After training each side's model is judged by the plain Hugging Face model: the held-out loss on the
 same held-out conversations (labels: loss on the answers), computed the same way for both.
 
@@ -25,7 +26,7 @@ Workloads (--workload):
 
     .venv/bin/python benchmarks/bench_trl.py --workload fair --max-length 4096 --steps 20 --pairs 3
     .venv/bin/python benchmarks/bench_trl.py --workload smollm2 --method lora --examples 96 --steps 12 --pairs 2
-    [--precision fp32|bf16] [--strategies bfd,sorted,padded] [--same-malloc]
+    [--precision fp32|bf16] [--strategies bfd,sorted,padded] [--same-malloc] [--same-mkl]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from leansft.core.mkl_kernels import load_shim
 from leansft.tools.allocator import TUNABLES
 
 WORK = Path("runs/bench_trl")
@@ -255,6 +257,8 @@ def run_trl(s: dict, measure_memory: bool) -> dict:
 
 def child(kind: str, settings: dict) -> None:
     side, strategy = (kind.split(":") + [""])[:2]
+    if side == "leansft" or settings.get("same_mkl"):
+        load_shim()  # before torch is imported, as `leansft train` does
     run = (lambda mem: run_leansft(strategy, settings, mem)) if side == "leansft" else (lambda mem: run_trl(settings, mem))
     mem = run(True)
     print("RESULT " + json.dumps({**run(False), **mem}))
@@ -288,6 +292,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=1, help="TRL/leansft pairs, run alternately")
     ap.add_argument("--strategies", default="bfd", help="leansft strategies besides bfd, once each: sorted,padded")
     ap.add_argument("--same-malloc", action="store_true", help="TRL under leansft's malloc settings too")
+    ap.add_argument("--same-mkl", action="store_true", help="TRL with MKL's AVX-512 kernels too (core/mkl_kernels.py)")
     ap.add_argument("--child", default=None)
     ap.add_argument("--settings", default=None)
     args = ap.parse_args()
@@ -298,12 +303,14 @@ def main() -> None:
     smol = args.workload == "smollm2"
     settings = {**SETUPS[args.workload](args.examples), "max_length": args.max_length, "steps": args.steps,
                 "precision": args.precision, "method": args.method or ("lora" if smol else "full"),
-                "lr": args.lr or (2e-4 if smol else 1e-3), "same_malloc": args.same_malloc}
+                "lr": args.lr or (2e-4 if smol else 1e-3), "same_malloc": args.same_malloc,
+                "same_mkl": args.same_mkl}
     pairs = [(run_child("trl", settings), run_child("leansft:bfd", settings)) for _ in range(args.pairs)]
     extra = {k: run_child(f"leansft:{k}", settings) for k in args.strategies.split(",") if k and k != "bfd"}
     print(f"\n{args.workload}: {settings['method']}, {args.examples} chats, rows of {args.max_length}, "
           f"{args.steps or 'one epoch of'} steps, CPU {args.precision}, lr {settings['lr']}"
-          f"{', TRL under the same malloc settings' if args.same_malloc else ''}")
+          f"{', TRL under the same malloc settings' if args.same_malloc else ''}"
+          f"{', TRL with the same MKL kernels' if args.same_mkl else ''}")
     print("| run | real tok/s | peak MB | steps | final loss | held-out loss | wall s |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     rate = lambda r: r["real_tokens"] / r["seconds"]  # noqa: E731
     rows = [(f"TRL #{i + 1}", t) for i, (t, _) in enumerate(pairs)] + [(f"leansft bfd #{i + 1}", o) for i, (_, o) in enumerate(pairs)]

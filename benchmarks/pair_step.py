@@ -55,7 +55,7 @@ def main() -> None:
         raise SystemExit("--pairs: at least 1")
     from leansft.tools.allocator import reexec_with_malloc_settings
 
-    reexec_with_malloc_settings(["train"])  # what `leansft train` runs under
+    reexec_with_malloc_settings(["train"])  # what `leansft train` runs under (profile_step loads the MKL shim)
     import profile_step
 
     from leansft.core.onednn_linear import onednn_pays

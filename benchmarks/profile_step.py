@@ -26,10 +26,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from leansft.core.mkl_kernels import load_shim
+from leansft.tools.allocator import reexec_with_malloc_settings
+
+load_shim()  # before torch is imported, as `leansft train` does (LEANSFT_MKL_AVX512=0: without)
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
-
-from leansft.tools.allocator import reexec_with_malloc_settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 WORK = Path("runs/profile")

@@ -16,9 +16,10 @@ do; verify-before-train compares the run's forward and loss with the plain model
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
+
+from leansft.core.cpuinfo import cpu_vendor
 
 
 @functools.cache
@@ -28,17 +29,6 @@ def onednn_pays() -> bool:
             or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
         return False
     return cpu_vendor() not in ("GenuineIntel", "")
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor string from /proc/cpuinfo ('' where there is none to read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def mm_t(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 import yaml
 from torch.profiler import record_function
 
-from leansft.core import parallel
+from leansft.core import mkl_kernels, parallel
 from leansft.core.bf16_base import holds_bf16_base
 from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
 from leansft.core.data.prepare import PreparedData, prepare_data
@@ -132,6 +132,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     cfg = cfg.model_copy(deep=True)  # strategy/accumulation may change below; the caller's config stays as given
     rank, world, device, out = parallel.rank(), parallel.world_size(), pick_device(), check_output_dir(cfg.output_dir)
     resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world)
+    if device.type == "cpu" and mkl_kernels.note():
+        mkl_kernels.check_products()  # MKL's AVX-512 code on a CPU Intel did not validate it on: checked first
+        log.info("fp32 matmuls (MKL): %s", mkl_kernels.note())
     seed_everything(cfg.training.seed)
     model_path = model_location(cfg)
     data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,

@@ -23,10 +23,14 @@ TUNABLES = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=6
 COMMANDS = {"train"}
 
 
+def trains(argv: list[str]) -> bool:
+    """Whether this command line is one that trains (``leansft [options] train ...``)."""
+    return next((a for a in argv if not a.startswith("-")), None) in COMMANDS
+
+
 def wanted(argv: list[str], environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this command line should run under the malloc settings and does not yet."""
-    command = next((a for a in argv if not a.startswith("-")), None)
-    return (command in COMMANDS and sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+    return (trains(argv) and sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
             and environ.get("LEANSFT_MALLOC", "1") != "0" and "glibc.malloc." not in environ.get("GLIBC_TUNABLES", ""))
 
 
