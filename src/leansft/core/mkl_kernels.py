@@ -6,7 +6,7 @@ and it runs AVX2 code. A shared library whose one line answers yes, loaded into 
 scope before torch, takes that call, and MKL then picks its kernels by the CPU's feature flags alone (the
 shim known as "fakeintel"). Measured on a 2-core Zen 4 EPYC: fp32 products at SmolLM2's shapes 1.1-1.5x
 faster, weight gradients included (which oneDNN did not speed up, ``core/onednn_linear.py``), and a SmolLM2
-full fine-tuning step 8-18% shorter (benchmarks/README.md). bf16 products go through oneDNN: unchanged.
+full fine-tuning step 5-18% shorter (benchmarks/README.md). bf16 products go through oneDNN: unchanged.
 
 MKL then runs code that Intel validates on Intel CPUs, so ``check_products()`` holds fp32 products of
 several shapes and layouts to a float64 reference within the rounding bound of any summation order before
@@ -56,7 +56,8 @@ def shim_path(cache: Path | None = None) -> Path | None:
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # ranks starting together each build, one rename wins
         src, lib = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
         src.write_text(SOURCE)
-        built = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src)], capture_output=True, check=False)
+        built = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src)],
+                               capture_output=True, check=False)
         if built.returncode != 0 or not lib.exists():
             return None
         os.replace(lib, path)
