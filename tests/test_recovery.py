@@ -129,12 +129,12 @@ def test_early_stopping_samples_and_metrics_survive_an_interruption(tmp_path, ti
     with (run / "metrics.jsonl").open("a") as fh:
         fh.write('{"step": 99, "loss": 1.0, "torn')  # a crash mid-line
     train(cut, resume="auto")
-    assert losses(run) == losses(Path(whole.output_dir))  # stops at the same step, same losses
+    assert losses(run) == losses(tmp_path / "whole" / "run")  # stops at the same step, same losses
     steps = [r["step"] for r in records(run) if "loss" in r]
     assert steps == sorted(set(steps))  # no duplicates
     samples = [(r["step"], r["prompt"]) for r in records(run, "samples.jsonl")]
     assert len(samples) == len(set(samples)) == len(records(Path(whole.output_dir), "samples.jsonl"))
-    a = load_file(Path(whole.output_dir) / "final" / "model.safetensors")
+    a = load_file(tmp_path / "whole" / "run" / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -319,6 +319,23 @@ def test_resume_with_a_changed_config_is_refused_unless_the_change_is_honoured(t
     assert losses(run) == {k: v for k, v in losses(reference).items() if k in (1, 2, 4, 6)}
 
 
+def test_resume_under_other_fp32_kernels_warns(tmp_path, tiny_run_assets, reference, caplog, monkeypatch):
+    """A checkpoint records the CPU's fp32 kernels (core/mkl_kernels.py); resumed under others the run goes on,
+    and says it is no longer bitwise the uninterrupted one."""
+    from leansft.core import mkl_kernels
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    assert json.loads((run / "checkpoints" / "step-4" / "state.json").read_text())["fp32_kernels"] == "mkl-own-choice"
+    monkeypatch.setitem(mkl_kernels._state, "loaded", "shim.so")  # as if this process had MKL's AVX-512 kernels
+    cfg = run_config(tmp_path, tiny_run_assets, "checkpoint.save_every=2", "checkpoint.keep_last=5")
+    cfg.output_dir = str(run)
+    train(cfg, resume="auto")
+    assert "fp32 kernels mkl-own-choice and this process runs mkl-avx512-shim" in caplog.text
+    assert json.loads((run / "checkpoints" / "step-6" / "state.json").read_text())["fp32_kernels"] == "mkl-avx512-shim"
+
+
 def test_resume_on_data_changed_since_is_refused(tmp_path, tiny_run_assets):
     """The same config can read a data file that changed since the checkpoint: its position would point at
     other examples, so the resume is refused."""
@@ -355,12 +372,14 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     steps = 60
     common = [f"training.max_steps={steps}", "checkpoint.save_every=1", "checkpoint.keep_last=2",
               "checkpoint.export=true", "logging.log_every=10"]
-    whole = run_config(tmp_path / "whole", tiny_run_assets, *common)
-    train(whole)
     path = config_file(tmp_path / "chaos", tiny_run_assets, *common)
     run = tmp_path / "chaos" / "run"
     rng, env = random.Random(0), {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "leansft", "train", path, "--resume", "auto"]
+    # The uninterrupted run goes through the same command: `leansft train` picks the process's fp32 kernels
+    # (core/mkl_kernels.py), which a run inside pytest would not share.
+    whole = config_file(tmp_path / "whole", tiny_run_assets, *common)
+    subprocess.run([sys.executable, "-m", "leansft", "train", whole], env=env, check=True, capture_output=True)
     plan = ["start-up"] * 2 + ["mid-run"] * 5
     rng.shuffle(plan)
     plan.append("export")
@@ -401,10 +420,10 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     assert proc.wait(timeout=600) == 0, log.seek(0) or log.read().decode()[-3000:]
     log.close()
     assert killed.get("mid-run", 0) >= 5 and killed.get("export") == 1, killed
-    a = load_file(Path(whole.output_dir) / "final" / "model.safetensors")
+    a = load_file(tmp_path / "whole" / "run" / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert losses(run) == losses(Path(whole.output_dir))
+    assert losses(run) == losses(tmp_path / "whole" / "run")
 
 
 def test_disk_full_while_checkpointing_is_one_line_naming_folder_space_and_what_was_kept(tmp_path, tiny_run_assets,

@@ -84,6 +84,12 @@ def loaded() -> bool:
     return _state["loaded"] is not None
 
 
+def kernels() -> str:
+    """The fp32 kernels this process's MKL runs, as a checkpoint records them: a CPU run resumed under other
+    kernels continues correctly, but its losses are no longer the uninterrupted run's bit for bit."""
+    return "mkl-avx512-shim" if loaded() else "mkl-own-choice"
+
+
 def note() -> str:
     """What ``load_shim`` did, for the run's log ('' where it had nothing to do)."""
     return str(_state["note"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from leansft.core import checkpoint as ckpt
-from leansft.core import parallel
+from leansft.core import mkl_kernels, parallel
 from leansft.core.config import RunConfig
 from leansft.core.errors import LeanSFTError
 from leansft.recipe.batches import Position
@@ -117,6 +117,10 @@ class Checkpointer:
         self._check_config(path)
         saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler)
         self._check_data(path, saved.get("data_fingerprint"))
+        if saved.get("fp32_kernels") not in (None, self._kernels()):
+            log.warning("the checkpoint was trained with fp32 kernels %s and this process runs %s "
+                        "(core/mkl_kernels.py): the run continues, not bit for bit as it would have",
+                        saved["fp32_kernels"], self._kernels())
         log.info("resumed from %s at step %d", path, saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
                            **{k: saved[k] for k in ("tokens_seen", "examples_seen", "target_tokens_seen")})
@@ -149,6 +153,10 @@ class Checkpointer:
                 hint="resume with the data the run started with, or export the checkpoint (leansft export) and "
                      "start a new run from it in another output_dir")
 
+    def _kernels(self) -> str | None:
+        """The CPU's fp32 kernels where the model trains on the CPU (None on an accelerator)."""
+        return mkl_kernels.kernels() if next(self.root.parameters()).device.type == "cpu" else None
+
     def should_save(self, step: int, done: bool) -> bool:
         every = self.cfg.checkpoint.save_every
         return done or bool(every and step % every == 0)
@@ -161,7 +169,7 @@ class Checkpointer:
         step = extra.pop("step")
         extra.update(eval_loss=evaluator.get("last_eval_loss"), evaluator=evaluator,
                      gradient_accumulation=self.cfg.batching.gradient_accumulation,
-                     data_fingerprint=self.data_fingerprint)
+                     data_fingerprint=self.data_fingerprint, fp32_kernels=self._kernels())
         ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra, self.config_dict,
                              self.sharded)
         if parallel.rank() == 0:
