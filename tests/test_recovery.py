@@ -129,12 +129,12 @@ def test_early_stopping_samples_and_metrics_survive_an_interruption(tmp_path, ti
     with (run / "metrics.jsonl").open("a") as fh:
         fh.write('{"step": 99, "loss": 1.0, "torn')  # a crash mid-line
     train(cut, resume="auto")
-    assert losses(run) == losses(tmp_path / "whole" / "run")  # stops at the same step, same losses
+    assert losses(run) == losses(Path(whole.output_dir))  # stops at the same step, same losses
     steps = [r["step"] for r in records(run) if "loss" in r]
     assert steps == sorted(set(steps))  # no duplicates
     samples = [(r["step"], r["prompt"]) for r in records(run, "samples.jsonl")]
     assert len(samples) == len(set(samples)) == len(records(Path(whole.output_dir), "samples.jsonl"))
-    a = load_file(tmp_path / "whole" / "run" / "final" / "model.safetensors")
+    a = load_file(Path(whole.output_dir) / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
