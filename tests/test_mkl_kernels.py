@@ -74,8 +74,8 @@ def test_wrong_products_are_refused(monkeypatch):
     """With the shim loaded, a product outside float32 rounding stops the run before training."""
     monkeypatch.setitem(mkl_kernels._state, "loaded", "shim.so")
     mkl_kernels.check_products()  # this process's MKL, right
-    matmul = torch.Tensor.__matmul__
-    monkeypatch.setattr(torch.Tensor, "__matmul__",  # fp32 products off by 2e-4 of their value; the float64 reference right
+    matmul = torch.Tensor.__matmul__  # below: fp32 products off by 2e-4 of their value, float64 ones right
+    monkeypatch.setattr(torch.Tensor, "__matmul__",
                         lambda a, b: matmul(a, b) * (1 + 2e-4) if a.dtype == torch.float32 else matmul(a, b))
     with pytest.raises(ModelError, match="outside float32 rounding"):
         mkl_kernels.check_products()
