@@ -58,6 +58,25 @@ def test_eval_loss_equals_padded_transformers_forward(tmp_path, load_tok, tiny_b
     assert padded["eval_token_accuracy"] == pytest.approx(correct / n)
 
 
+def test_stop_tokens_fall_back_to_eos_only_when_the_template_cannot_mark_turns(load_tok, tiny_bpe_path, monkeypatch):
+    """A template leansft cannot mark turns in still generates, stopped by eos; any other failure is a bug and
+    is raised, not turned into samples that run past the end of the turn."""
+    from leansft.core import generation
+    from leansft.core.errors import TemplateError
+
+    tok = load_tok(tiny_bpe_path)
+    template = resolve_template(tok, None)
+    for error, raised in ((TemplateError("cannot mark the assistant turn"), False), (KeyError("input_ids"), True)):
+        def fail(self, convs, err=error):
+            raise err
+        monkeypatch.setattr(generation.ChatEncoder, "encode", fail)
+        if raised:
+            with pytest.raises(KeyError):
+                stop_token_ids(tok, template)
+        else:
+            assert stop_token_ids(tok, template) == sorted({tok.eos_token_id} - {None})
+
+
 def test_sampling_reproducible_stops_at_end_of_turn_and_restores_train_mode(load_tok, tiny_bpe_path):
     tok = load_tok(tiny_bpe_path)
     template = resolve_template(tok, None)

@@ -10,6 +10,7 @@ from leansft.core.attention import plain_attention
 from leansft.core.compile import eager
 from leansft.core.data.formats import Conversation
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
+from leansft.core.errors import LeanSFTError
 
 
 def stop_token_ids(tokenizer, template: ChatTemplate | None) -> list[int]:
@@ -25,7 +26,7 @@ def stop_token_ids(tokenizer, template: ChatTemplate | None) -> list[int]:
         targets = labels[labels != IGNORE_INDEX]
         if len(targets):
             ids.add(int(targets[-1]))
-    except Exception:  # a template that cannot mark turns still generates; eos alone stops it
+    except LeanSFTError:  # a template that cannot mark turns still generates; eos alone stops it (a bug propagates)
         pass
     return sorted(ids)
 
