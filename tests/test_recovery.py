@@ -378,7 +378,7 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     cmd = [sys.executable, "-m", "leansft", "train", path, "--resume", "auto"]
     # The uninterrupted run goes through the same command: `leansft train` picks the process's fp32 kernels
     # (core/mkl_kernels.py), which a run inside pytest would not share.
-    whole = config_file(tmp_path / "whole", tiny_run_assets, *common)
+    whole, whole_run = config_file(tmp_path / "whole", tiny_run_assets, *common), tmp_path / "whole" / "run"
     subprocess.run([sys.executable, "-m", "leansft", "train", whole], env=env, check=True, capture_output=True)
     plan = ["start-up"] * 2 + ["mid-run"] * 5
     rng.shuffle(plan)
@@ -420,10 +420,10 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     assert proc.wait(timeout=600) == 0, log.seek(0) or log.read().decode()[-3000:]
     log.close()
     assert killed.get("mid-run", 0) >= 5 and killed.get("export") == 1, killed
-    a = load_file(tmp_path / "whole" / "run" / "final" / "model.safetensors")
+    a = load_file(whole_run / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert losses(run) == losses(tmp_path / "whole" / "run")
+    assert losses(run) == losses(whole_run)
 
 
 def test_disk_full_while_checkpointing_is_one_line_naming_folder_space_and_what_was_kept(tmp_path, tiny_run_assets,

@@ -117,10 +117,11 @@ class Checkpointer:
         self._check_config(path)
         saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler)
         self._check_data(path, saved.get("data_fingerprint"))
-        if saved.get("fp32_kernels") not in (None, self._kernels()):
+        kernels = self._kernels()
+        if saved.get("fp32_kernels") not in (None, kernels):
             log.warning("the checkpoint was trained with fp32 kernels %s and this process runs %s "
                         "(core/mkl_kernels.py): the run continues, not bit for bit as it would have",
-                        saved["fp32_kernels"], self._kernels())
+                        saved["fp32_kernels"], kernels)
         log.info("resumed from %s at step %d", path, saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
                            **{k: saved[k] for k in ("tokens_seen", "examples_seen", "target_tokens_seen")})
