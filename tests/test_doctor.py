@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from helpers import run_config, tiny_bloom
 
 from leansft.core import attention as attn_mod
+from leansft.core import mkl_kernels
 from leansft.tools import doctor
 from leansft.tools.cli import main
 
@@ -20,12 +21,15 @@ def statuses(cfg) -> dict[str, str]:
     return {c.name: c.status for c in doctor.run_checks(cfg)}
 
 
-def test_all_checks_pass_on_a_correct_setup(tmp_path, tiny_run_assets):
+def test_all_checks_pass_on_a_correct_setup(tmp_path, tiny_run_assets, monkeypatch):
     cfg = run_config(tmp_path, tiny_run_assets, "data.max_length=4096", "batching.tokens_per_micro_batch=4096")
+    monkeypatch.setitem(mkl_kernels._state, "note", mkl_kernels.LOADED_NOTE)  # as `python -m leansft doctor` on Zen 4
+    monkeypatch.setitem(mkl_kernels._state, "loaded", "shim.so")
     checks = {c.name: c for c in doctor.run_checks(cfg)}
     got = {name: c.status for name, c in checks.items()}
-    assert set(got) == {"template", "truncation", "isolation", "loss", "positions", "normalisation", "memory",
-                        "throughput"}
+    assert set(got) == {"template", "truncation", "fp32 kernels", "isolation", "loss", "positions", "normalisation",
+                        "memory", "throughput"}
+    assert checks["fp32 kernels"].numbers == {"fp32_kernels": "mkl-avx512-shim"}
     assert all(s == "PASS" for s in got.values()), got
     # the stop tokens the loss ends with, and how often each ended a turn
     assert "stop tokens (template 'tokenizer'): <|im_end|>" in checks["template"].message

@@ -45,7 +45,9 @@ def test_wanted_on_avx512_cpus_not_made_by_intel_unless_switched_off(monkeypatch
 def test_the_shim_is_built_once_and_only_with_a_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")
     assert mkl_kernels.shim_path(tmp_path) is None
-    monkeypatch.delenv("CC")
+    monkeypatch.setenv("CC", "no-such-compiler -O2")
+    assert mkl_kernels.shim_path(tmp_path) is None
+    monkeypatch.setenv("CC", f"{shutil.which('cc') or shutil.which('gcc')} -O1")  # a compiler with arguments
     path = mkl_kernels.shim_path(tmp_path)
     assert path is not None and path.parent == tmp_path / "native" and path.stat().st_size > 0
     stamp = path.stat().st_mtime_ns
@@ -74,6 +76,7 @@ def test_wrong_products_are_refused(monkeypatch):
     """With the shim loaded, a product outside float32 rounding stops the run before training."""
     monkeypatch.setitem(mkl_kernels._state, "loaded", "shim.so")
     mkl_kernels.check_products()  # this process's MKL, right
+    monkeypatch.setitem(mkl_kernels._state, "checked", False)  # (checked once per process)
     matmul = torch.Tensor.__matmul__  # below: fp32 products off by 2e-4 of their value, float64 ones right
     monkeypatch.setattr(torch.Tensor, "__matmul__",
                         lambda a, b: matmul(a, b) * (1 + 2e-4) if a.dtype == torch.float32 else matmul(a, b))
@@ -81,3 +84,21 @@ def test_wrong_products_are_refused(monkeypatch):
         mkl_kernels.check_products()
     monkeypatch.setitem(mkl_kernels._state, "loaded", None)
     mkl_kernels.check_products()  # nothing loaded: nothing to check
+
+
+def test_the_commands_that_run_the_model_load_the_shim_before_torch(monkeypatch):
+    """`python -m leansft` loads it for train and for doctor, eval, generate, chat and export too, so their
+    products run under the kernels training uses; commands that only read text and numbers do not."""
+    import leansft.__main__ as entry
+    from leansft.tools import cli
+
+    loads = []
+    monkeypatch.setattr(entry.mkl_kernels, "load_shim", lambda: loads.append(True))
+    monkeypatch.setattr(entry, "reexec_with_malloc_settings", lambda argv: None)
+    monkeypatch.setattr(cli, "main", lambda: 0)
+    for argv, expected in ((["doctor", "run.yaml"], True), (["-v", "eval", "m", "d.jsonl"], True),
+                           (["export", "runs/x"], True), (["train", "run.yaml"], True),
+                           (["plan", "run.yaml"], False), (["show-mask", "d.jsonl"], False)):
+        loads.clear()
+        monkeypatch.setattr(sys, "argv", ["leansft", *argv])
+        assert entry.main() == 0 and loads == ([True] if expected else []), argv

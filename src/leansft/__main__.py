@@ -2,14 +2,14 @@
 
 import sys
 
-from leansft.core.mkl_kernels import load_shim
-from leansft.tools.allocator import reexec_with_malloc_settings, trains
+from leansft.core import mkl_kernels
+from leansft.tools.allocator import command, reexec_with_malloc_settings
 
 
 def main() -> int:
     reexec_with_malloc_settings(sys.argv[1:])  # before torch is imported: glibc reads them at process start
-    if trains(sys.argv[1:]):
-        load_shim()  # before torch is imported too: MKL's AVX-512 kernels on AVX-512 CPUs not made by Intel
+    if command(sys.argv[1:]) in mkl_kernels.COMMANDS:  # the model's products under the kernels training uses
+        mkl_kernels.load_shim()  # before torch is imported too: MKL's AVX-512 kernels on AVX-512 CPUs not by Intel
     from leansft.tools.cli import main as cli
 
     return cli()

@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,8 @@ from leansft.core.paths import default_cache_dir
 
 SOURCE = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
 LOADED_NOTE = "AVX-512 kernels on this non-Intel CPU (LEANSFT_MKL_AVX512=0: MKL's own choice)"
-_state: dict[str, object] = {"loaded": None, "note": ""}
+COMMANDS = {"train", "doctor", "eval", "generate", "chat", "export"}  # those that run the model's products
+_state: dict[str, object] = {"loaded": None, "note": "", "checked": False}
 
 
 def wanted(environ: Mapping[str, str] = os.environ) -> bool:
@@ -49,14 +51,14 @@ def shim_path(cache: Path | None = None) -> Path | None:
     path = folder / f"mkl_intel_cpu_true-{hashlib.sha256(SOURCE.encode()).hexdigest()[:12]}.so"
     if path.exists():
         return path
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0] or not shutil.which(compiler[0]):
         return None
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # ranks starting together each build, one rename wins
         src, lib = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
         src.write_text(SOURCE)
-        built = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src)],
+        built = subprocess.run([*compiler, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src)],
                                capture_output=True, check=False)
         if built.returncode != 0 or not lib.exists():
             return None
@@ -97,8 +99,9 @@ def note() -> str:
 
 def check_products() -> None:
     """Where the shim is loaded: fp32 products of a few shapes and layouts within the rounding bound of any
-    summation order (gamma_k = k u / (1 - k u) times ``|a| |b|``, u = 2^-24) of float64 ones, else refuse to train."""
-    if not loaded():
+    summation order (gamma_k = k u / (1 - k u) times ``|a| |b|``, u = 2^-24) of float64 ones, else refuse to run.
+    Once per process."""
+    if not loaded() or _state["checked"]:
         return
     import torch
 
@@ -110,5 +113,6 @@ def check_products() -> None:
         for got in (a @ b, (b.t().contiguous() @ a.t().contiguous()).t(), a.t().contiguous().t() @ b):
             if not ((got.double() - exact).abs() <= gamma * scale).all():
                 raise ModelError(f"MKL's fp32 product [{m} x {k}] x [{k} x {n}] with its AVX-512 kernels on this "
-                                 f"{cpu_vendor()} CPU is outside float32 rounding; not training on it",
+                                 f"{cpu_vendor()} CPU is outside float32 rounding; not running on it",
                                  hint="LEANSFT_MKL_AVX512=0 keeps MKL's own kernels")
+    _state["checked"] = True

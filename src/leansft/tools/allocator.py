@@ -23,9 +23,14 @@ TUNABLES = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=6
 COMMANDS = {"train"}
 
 
+def command(argv: list[str]) -> str | None:
+    """The subcommand of a ``leansft [options] COMMAND ...`` command line."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def trains(argv: list[str]) -> bool:
     """Whether this command line is one that trains (``leansft [options] train ...``)."""
-    return next((a for a in argv if not a.startswith("-")), None) in COMMANDS
+    return command(argv) in COMMANDS
 
 
 def wanted(argv: list[str], environ: Mapping[str, str] = os.environ) -> bool:

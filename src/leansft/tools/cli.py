@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import get_args
 
+from leansft.core import mkl_kernels
 from leansft.core.config import (
     BatchingConfig,
     DataConfig,
@@ -400,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     try:
+        mkl_kernels.check_products()  # where `python -m leansft` loaded MKL's AVX-512 kernels: checked before use
         return int(args.func(args) or 0)
     except LeanSFTError as err:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank stops; one says why

@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from leansft.core import mkl_kernels
 from leansft.core.attention import use_plain_attention
 from leansft.core.bf16_base import holds_bf16_base
 from leansft.core.collate import collate_packed, collate_padded
@@ -261,6 +262,9 @@ def run_checks(cfg: RunConfig) -> list[Check]:
               check_truncation(full.lengths, full.target_counts, cfg.data.max_length)]
     sample = full.select(np.arange(min(SAMPLE, len(full))), max_length=cfg.data.max_length)
     device = pick_device()
+    if device.type == "cpu" and mkl_kernels.note():  # `leansft doctor` runs under the kernels `leansft train` will
+        checks.append(Check("fp32 kernels", "PASS", f"MKL: {mkl_kernels.note()}",
+                            {"fp32_kernels": mkl_kernels.kernels()}))
     model, _ = build_model(cfg, device, True, model_path)
     amp = autocast_dtype(cfg.training.precision, device)
     for name, check in (("vocabulary", lambda: check_vocabulary(model, full)),
