@@ -201,3 +201,23 @@ def test_third_party_noise_is_kept_off_the_console():
     assert [str(w.message) for w in seen] == ["something else"]
     assert not logging.getLogger("bitsandbytes.backends.cpu.ops").isEnabledFor(logging.WARNING)
     assert logging.getLogger("leansft").isEnabledFor(logging.INFO)
+
+
+def test_data_arguments_pydantic_refuses_are_one_line_and_bugs_stay_tracebacks(monkeypatch):
+    """What the data config refuses is an error for the user; anything else raised there is a bug, not hidden."""
+    import argparse
+
+    from leansft.core.errors import LeanSFTError
+    from leansft.tools import cli
+
+    args = argparse.Namespace(data=["d.jsonl"], format="auto", template="auto", loss_on="everything",
+                              cache_dir=None, on_bad_row="error")
+    with pytest.raises(LeanSFTError, match="invalid arguments"):
+        cli._data_config(args)
+
+    def broken(**kw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "DataConfig", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli._data_config(args)

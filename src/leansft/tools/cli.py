@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import get_args
 
+from pydantic import ValidationError
+
 from leansft.core import mkl_kernels
 from leansft.core.config import (
     BatchingConfig,
@@ -81,13 +83,13 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 
 def _data_config(args, max_length: int | None = None) -> DataConfig:
-    kw = dict(sources=[{"path": d, "format": args.format} for d in args.data], template=args.template,
-              loss_on=args.loss_on, cache_dir=args.cache_dir, on_bad_row=args.on_bad_row)
+    kw = {"sources": [{"path": d, "format": args.format} for d in args.data], "template": args.template,
+          "loss_on": args.loss_on, "cache_dir": args.cache_dir, "on_bad_row": args.on_bad_row}
     if max_length is not None:
         kw["max_length"] = max_length
     try:
         return DataConfig(**kw)
-    except Exception as err:
+    except ValidationError as err:  # (a bug elsewhere stays a traceback)
         raise LeanSFTError(f"invalid arguments: {err}") from None
 
 
@@ -228,7 +230,8 @@ def _inference(args):
 
 
 def _sampling(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "seed": args.seed}
 
 
 def cmd_generate(args) -> int:
