@@ -203,7 +203,7 @@ def test_third_party_noise_is_kept_off_the_console():
     assert logging.getLogger("leansft").isEnabledFor(logging.INFO)
 
 
-def test_data_arguments_pydantic_refuses_are_one_line_and_bugs_stay_tracebacks(monkeypatch):
+def test_data_arguments_the_config_refuses_are_one_line_and_bugs_stay_tracebacks(monkeypatch):
     """What the data config refuses is an error for the user; anything else raised there is a bug, not hidden."""
     import argparse
 

@@ -9,10 +9,10 @@ faster, weight gradients included (which oneDNN did not speed up, ``core/onednn_
 full fine-tuning step 5-18% shorter (benchmarks/README.md). bf16 products go through oneDNN: unchanged.
 
 MKL then runs code that Intel validates on Intel CPUs, so ``check_products()`` holds fp32 products of
-several shapes and layouts to a float64 reference within the rounding bound of any summation order before
-training, and refuses to train if one is off. The library is compiled from ``SOURCE`` with the system's C
-compiler into the cache folder, once; without a compiler, or with ``LEANSFT_MKL_AVX512=0``, MKL stays as it is.
-The run's log says which (``note()``).
+several shapes and layouts to a float64 reference within the rounding bound of any summation order before a
+command computes (``COMMANDS``: training and the commands that run the model), and refuses if one is off. The
+library is compiled from ``SOURCE`` with the system's C compiler into the cache folder, once; without a compiler,
+or with ``LEANSFT_MKL_AVX512=0``, MKL stays as it is. The run's log says which (``note()``).
 """
 
 from __future__ import annotations
