@@ -5,8 +5,9 @@ resolve a change of a few percent; steps on the same batch, alternating A/B then
 switches of leansft's own code paths, flipped between steps of one engine (built as ``profile_step.py`` builds
 it, i.e. as ``leansft train`` does):
 
-- ``onednn``: fp32 products through oneDNN where it pays (linear layers, LoRA's frozen base, the loss head;
-  ``core/onednn_linear.py``) vs MKL everywhere;
+- ``onednn``: fp32 products through oneDNN on a CPU where MKL alone runs AVX2 code (linear layers, LoRA's frozen
+  base, the loss head; ``core/onednn_linear.py``) vs MKL everywhere; "on" takes oneDNN even where the process
+  loaded the MKL shim (``core/mkl_kernels.py``), where leansft itself keeps MKL;
 - ``onednn-head``: the same for the loss head's products only (``core/loss.py``).
 
 Both ways train the same model in turn (each step is a real update), so losses are not compared here;
@@ -32,12 +33,14 @@ def switch(name: str):
     from leansft.core import loss, onednn_linear
 
     state = {"on": True}
-    pays, applies = onednn_linear.onednn_pays, onednn_linear.applies
+    could = onednn_linear.mkl_runs_avx2  # "on" runs oneDNN where MKL alone would run AVX2, even with the MKL shim
     if name == "onednn":  # the rule every oneDNN path asks (``applies`` asks it too)
-        onednn_linear.onednn_pays = lambda: state["on"] and pays()
+        onednn_linear.onednn_pays = lambda: state["on"] and could()
     elif name == "onednn-head":
-        loss.onednn_linear = types.SimpleNamespace(applies=lambda *a: state["on"] and applies(*a),
-                                                   mm_t=onednn_linear.mm_t)
+        def head(*a) -> bool:
+            return state["on"] and could() and onednn_linear.eligible(*a)
+
+        loss.onednn_linear = types.SimpleNamespace(applies=head, mm_t=onednn_linear.mm_t)
     else:
         raise SystemExit(f"unknown switch {name!r}")
     return lambda on: state.update(on=on)
@@ -58,11 +61,11 @@ def main() -> None:
     reexec_with_malloc_settings(["train"])  # what `leansft train` runs under (profile_step loads the MKL shim)
     import profile_step
 
-    from leansft.core.onednn_linear import onednn_pays
+    from leansft.core.onednn_linear import mkl_runs_avx2
     from leansft.recipe.train import train_step
 
-    if not onednn_pays():
-        print("oneDNN does not pay on this CPU (core/onednn_linear.py): both ways run MKL")
+    if not mkl_runs_avx2():
+        print("MKL takes AVX-512 here on its own, or the CPU has none (core/onednn_linear.py): both ways run MKL")
     set_on = switch(args.switch)  # before the build: the layers are swapped as the machine's rule says
     engine, steps, window, _ = profile_step.build(profile_step.overrides(args.workload, args.precision, "false",
                                                                          args.method))

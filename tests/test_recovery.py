@@ -332,8 +332,8 @@ def test_resume_under_other_fp32_kernels_warns(tmp_path, tiny_run_assets, refere
     cfg = run_config(tmp_path, tiny_run_assets, "checkpoint.save_every=2", "checkpoint.keep_last=5")
     cfg.output_dir = str(run)
     train(cfg, resume="auto")
-    assert "fp32 kernels mkl-own-choice and this process runs mkl-avx512-shim" in caplog.text
-    assert json.loads((run / "checkpoints" / "step-6" / "state.json").read_text())["fp32_kernels"] == "mkl-avx512-shim"
+    assert "fp32 kernels mkl-own-choice and this process runs mkl-avx512" in caplog.text
+    assert json.loads((run / "checkpoints" / "step-6" / "state.json").read_text())["fp32_kernels"] == "mkl-avx512"
 
 
 def test_resume_on_data_changed_since_is_refused(tmp_path, tiny_run_assets):

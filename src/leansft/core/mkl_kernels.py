@@ -87,9 +87,11 @@ def loaded() -> bool:
 
 
 def kernels() -> str:
-    """The fp32 kernels this process's MKL runs, as a checkpoint records them: a CPU run resumed under other
-    kernels continues correctly, but its losses are no longer the uninterrupted run's bit for bit."""
-    return "mkl-avx512-shim" if loaded() else "mkl-own-choice"
+    """The fp32 kernels this process's products run, as a checkpoint records them: a CPU run resumed under other
+    kernels continues correctly, but its losses are no longer the uninterrupted run's bit for bit. With the shim
+    every fp32 product is MKL's ("mkl-avx512"; older versions recorded "mkl-avx512-shim" while oneDNN still took
+    the forward products); without it MKL chooses, and oneDNN takes them where ``core/onednn_linear.py`` says."""
+    return "mkl-avx512" if loaded() else "mkl-own-choice"
 
 
 def note() -> str:
