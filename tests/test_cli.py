@@ -75,7 +75,7 @@ def test_show_mask_json(tmp_path, qwen25_path, capsys):
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "leansft", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "leansft", *args], capture_output=True, text=True, cwd=cwd, check=False)
 
 
 @pytest.mark.parametrize(
@@ -163,7 +163,8 @@ def test_train_reexecutes_once_under_the_malloc_settings(tmp_path):
 
     def run(*args, **env):
         base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LEANSFT_MALLOC")}
-        r = subprocess.run([sys.executable, str(probe), *args], capture_output=True, text=True, env={**base, **env})
+        r = subprocess.run([sys.executable, str(probe), *args], capture_output=True, text=True, env={**base, **env},
+                           check=False)
         assert r.returncode == 0, r.stderr
         return r.stdout.strip()
 
@@ -180,7 +181,7 @@ def test_help_and_argument_errors_import_no_torch():
     probe = ("import sys\nfrom leansft.tools.cli import main\n"
              "try:\n    main(['export', 'a', 'b', '--dtype', 'q9'])\nexcept SystemExit as e:\n    code = e.code\n"
              "print(code, sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n")
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
     assert r.stdout.strip() == "2 []", r.stderr
     assert "invalid choice: 'q9' (choose from" in r.stderr and "f16" in r.stderr
 

@@ -141,7 +141,7 @@ def check_positions(batcher) -> Check:
     lens = torch.diff(cu)
     expected = torch.cat([torch.arange(int(n)) for n in lens])
     ok = torch.equal(batch.position_ids[0].cpu(), expected)
-    numbers = {"examples_in_batch": int(len(lens)), "tokens": int(cu[-1])}
+    numbers = {"examples_in_batch": len(lens), "tokens": int(cu[-1])}
     if not ok:
         return Check("positions", "FAIL", "position_ids do not restart at 0 for every packed example", numbers,
                      "derive position_ids from cu_seqlens (leansft's collator does)")
@@ -154,7 +154,7 @@ def check_truncation(full_lengths: np.ndarray, full_targets: np.ndarray, max_len
     lost = float(np.minimum(full_targets, np.maximum(full_lengths - max_length, 0))[over].sum())
     share_ex = float(over.mean()) if len(over) else 0.0
     share_t = lost / max(float(full_targets.sum()), 1.0)
-    numbers = {"examples": int(len(over)), "truncated": int(over.sum()), "truncated_share": share_ex,
+    numbers = {"examples": len(over), "truncated": int(over.sum()), "truncated_share": share_ex,
                "target_tokens_lost_share": share_t, "max_length": max_length,
                "p99_length": float(np.percentile(full_lengths, 99)) if len(full_lengths) else 0.0}
     if share_ex > 0.25 or share_t > 0.10:
@@ -218,9 +218,9 @@ def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> 
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     tracker = TensorMemoryTracker() if device.type == "cpu" else None
-    with tracker if tracker is not None else contextlib.nullcontext():
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            module(batch).backward()
+    with (tracker if tracker is not None else contextlib.nullcontext(),
+          torch.autocast(device.type, dtype=amp, enabled=amp is not None)):
+        module(batch).backward()
     measured = tracker.peak if tracker else torch.cuda.max_memory_allocated(device) - base
     model.zero_grad(set_to_none=True)
     mem = Check("memory", "PASS" if measured < 3 * act_est else "WARN",
