@@ -3,9 +3,7 @@
 Why: on the CPU PyTorch multiplies fp32 matrices with MKL, which takes its AVX-512 kernels on Intel CPUs
 only; on an AMD CPU with AVX-512 (Zen 4) it runs its AVX2 code, while oneDNN (also inside PyTorch) uses
 the AVX-512 units. Measured on a Zen 4 EPYC at SmolLM2's shapes: x W^T and g W 14-36% faster, and a SmolLM2
-full fine-tuning step 6-26% shorter (benchmarks/README.md). Where leansft has MKL take its AVX-512 kernels after
-all (``core/mkl_kernels.py``, the model commands' default there) this module stands aside: MKL's products are
-then as fast or faster (whole steps 4-12% shorter with MKL alone, paired on the same batch). The weight gradient g^T x stays with MKL
+full fine-tuning step 6-26% shorter (benchmarks/README.md). The weight gradient g^T x stays with MKL
 (oneDNN was not faster there). The loss head (``core/loss.py``) takes the same rule for its logits and
 hidden-state gradient (the head's forward and backward 19% faster, paired, at SmolLM2's and the fair workload's
 shapes). On Intel CPUs and on AVX2-only CPUs nothing changes (on an AVX2 EPYC the same swap gained nothing in
@@ -13,6 +11,10 @@ the step).
 
 Same products, other summation order: results differ from MKL's in the last bits, as two BLAS libraries
 do; verify-before-train compares the run's forward and loss with the plain model (MKL) as always.
+
+Where leansft has MKL take its AVX-512 kernels after all (``core/mkl_kernels.py``, the model commands' default on
+these CPUs) this module stands aside: MKL's products are then as fast or faster (oneDNN's routing took 1.01-1.12x
+the time of MKL alone in paired same-batch steps).
 """
 
 from __future__ import annotations
