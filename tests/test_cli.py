@@ -75,7 +75,8 @@ def test_show_mask_json(tmp_path, qwen25_path, capsys):
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "leansft", *args], capture_output=True, text=True, cwd=cwd, check=False)
+    return subprocess.run([sys.executable, "-m", "leansft", *args], capture_output=True, text=True, cwd=cwd,
+                          check=False)
 
 
 @pytest.mark.parametrize(

@@ -273,7 +273,8 @@ def test_data_error_under_torchrun_is_one_message(tmp_path, tiny_run_assets):
     path = config_file(tmp_path, tiny_run_assets, f"data.sources=[{bad}]")
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "leansft", "train", path],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and out.count("unknown role 'bot'") == 1, out[-3000:]
     # no rank prints a traceback of its own (torchrun's launcher still reports the failed workers)
