@@ -104,6 +104,30 @@ def test_lora_saves_adapters_only_and_merges_on_export(tmp_path, tiny_run_assets
     assert diff.max() > 0  # the adapters were merged into the base weights
 
 
+def test_lora_adapters_alone_export_loads_with_peft_and_stops_at_turn_end(tmp_path, tiny_run_assets):
+    """merge_on_export: false: PEFT applies the adapters to the base they name and gets the trained model; the
+    folder's generation_config stops at the template's end of turn; leansft's own commands point to the run."""
+    cfg = run_config(tmp_path, tiny_run_assets, "training.method=lora", "training.lora.r=4", "training.max_steps=2",
+                     "checkpoint.export=true", "training.learning_rate=1e-2", "training.lora.merge_on_export=false")
+    train(cfg)
+    run = Path(cfg.output_dir)
+    from peft import AutoPeftModelForCausalLM
+    from transformers import GenerationConfig
+
+    from leansft.core.generation import stop_token_ids
+    from leansft.recipe.export_run import load_source
+
+    trained, tokenizer, template, _ = load_source(str(run))  # the newest checkpoint, LoRA merged
+    adapted = AutoPeftModelForCausalLM.from_pretrained(run / "final").eval()
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
+    stops = stop_token_ids(tokenizer, template)
+    assert GenerationConfig.from_pretrained(run / "final").eos_token_id == stops
+    with pytest.raises(LeanSFTError, match="LoRA adapters alone"):
+        load_source(str(run / "final"))
+
+
 def test_nan_loss_stops_naming_the_step(tmp_path, tiny_run_assets, monkeypatch):
     from leansft.core import forward as step_mod
 

@@ -18,7 +18,9 @@ def full_state_dict(sharded_root) -> dict:
 
 
 def export(model, tokenizer, template, folder: Path, cfg) -> Path:
-    """Write ``folder`` atomically. LoRA is merged when ``training.lora.merge_on_export`` (else adapters)."""
+    """Write ``folder`` atomically. LoRA is merged when ``training.lora.merge_on_export``; else the folder holds
+    the adapters as PEFT saves them (``AutoPeftModelForCausalLM`` applies them to the base they name) and a
+    generation_config.json with the template's stop tokens, which PEFT does not read by itself."""
     if hasattr(model, "peft_config") and cfg.training.lora.merge_on_export:
         model = model.merge_and_unload()
     tmp = folder.with_name(folder.name + ".tmp")
@@ -31,8 +33,8 @@ def export(model, tokenizer, template, folder: Path, cfg) -> Path:
         model.config._attn_implementation = impl
     tokenizer.chat_template = template.source
     tokenizer.save_pretrained(tmp)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and not hasattr(model, "peft_config"):
+    gen = getattr(model, "generation_config", None)  # adapters alone too: the base's own may not stop at turn end
+    if gen is not None:
         gen.eos_token_id = stop_token_ids(tokenizer, template)
         gen.save_pretrained(tmp)
     if folder.exists():
