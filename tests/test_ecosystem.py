@@ -110,6 +110,21 @@ def test_model_card_says_what_the_model_is(tracked_run):
         assert needle in text, needle
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_model_card_says_whether_the_export_is_merged_or_adapters_alone(method):
+    from leansft.core.config import load_config
+    from leansft.recipe.model_card import method_text
+
+    base = ["model=tiny", "data.sources=[rows.jsonl]", f"training.method={method}"]
+    merged = method_text(load_config(None, base).training)
+    alone = method_text(load_config(None, [*base, "training.lora.merge_on_export=false"]).training)
+    assert "the export merges the adapters" in merged and "adapters alone" not in merged
+    assert "the export holds the adapters alone" in alone and "merges" not in alone
+    if method == "qlora":
+        assert "into the dequantised 4-bit base weights" in merged
+        assert "load the base quantised the same way (nf4, double quantisation True)" in alone
+
+
 def test_a_missing_tracker_package_names_the_install(tmp_path, tiny_run_assets, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)
     with pytest.raises(ConfigError, match=r"pip install mlflow-skinny"):

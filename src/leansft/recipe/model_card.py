@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from leansft import __version__
-from leansft.core.config import RunConfig
+from leansft.core.config import RunConfig, TrainingConfig
 from leansft.core.paths import resolve_package_path
 from leansft.recipe.report import run_totals
 
@@ -47,6 +47,29 @@ def _hub_name(spec: str) -> bool:
     return not spec.startswith("pkg:") and not Path(spec).exists() and spec.count("/") == 1
 
 
+def method_text(t: TrainingConfig) -> str:
+    """The method row: its settings, and what the exported folder holds (merged weights, or adapters alone)."""
+    variants = [v for v, on in (("DoRA", t.lora.use_dora), ("rsLoRA", t.lora.use_rslora),
+                                 (f"LoRA+ ratio {t.lora.lr_ratio}", t.lora.lr_ratio), (f"init {t.lora.init}",
+                                 t.lora.init != "default")) if on]
+    lora = (f"(r={t.lora.r}, alpha={t.lora.alpha}, dropout={t.lora.dropout}, target modules "
+            f"{t.lora.target_modules}{', ' + ', '.join(variants) if variants else ''})")
+    if t.method == "lora":
+        method = f"LoRA {lora}; " + ("the export merges the adapters into the base weights" if t.lora.merge_on_export
+                                     else "the export holds the adapters alone, for PEFT to apply to the base model")
+    elif t.method == "qlora":
+        quant = f"{t.qlora.quant_type}, double quantisation {t.qlora.double_quant}"
+        method = f"QLoRA: a 4-bit base ({quant}) with LoRA {lora}; " + (
+            "the export merges the adapters into the dequantised 4-bit base weights" if t.lora.merge_on_export else
+            "the export holds the adapters alone, trained against the 4-bit base: load the base quantised the same "
+            f"way ({quant}) for PEFT to apply them to the model that was trained")
+    else:
+        method = "full fine-tuning"
+    if t.neftune_noise_alpha:
+        method += f"; NEFTune noise alpha {t.neftune_noise_alpha}"
+    return method
+
+
 def model_card(cfg: RunConfig, out: Path, records: list[dict], samples: list[dict], data_report: dict) -> str:
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
@@ -57,18 +80,7 @@ def model_card(cfg: RunConfig, out: Path, records: list[dict], samples: list[dic
               "pipeline_tag": "text-generation"}
     header = {k: v for k, v in header.items() if v is not None}
     t = cfg.training
-    variants = [v for v, on in (("DoRA", t.lora.use_dora), ("rsLoRA", t.lora.use_rslora),
-                                 (f"LoRA+ ratio {t.lora.lr_ratio}", t.lora.lr_ratio), (f"init {t.lora.init}",
-                                 t.lora.init != "default")) if on]
-    lora = (f"(r={t.lora.r}, alpha={t.lora.alpha}, dropout={t.lora.dropout}, target modules "
-            f"{t.lora.target_modules}{', ' + ', '.join(variants) if variants else ''}, merged into the weights: "
-            f"{t.lora.merge_on_export})")
-    method = {"lora": f"LoRA {lora}",
-              "qlora": f"QLoRA: a 4-bit base ({t.qlora.quant_type}, double quantisation {t.qlora.double_quant}) with "
-                       f"LoRA {lora}; the export merges the adapters into the dequantised 4-bit base weights"
-              }.get(t.method, "full fine-tuning")
-    if t.neftune_noise_alpha:
-        method += f"; NEFTune noise alpha {t.neftune_noise_alpha}"
+    method = method_text(t)
     lines = ["---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "",
              f"# {cfg.logging.run_name or out.name}", "",
              f"Supervised fine-tuning of `{cfg.model}` with leansft "
