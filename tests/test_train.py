@@ -106,13 +106,21 @@ def test_lora_saves_adapters_only_and_merges_on_export(tmp_path, tiny_run_assets
 
 def test_lora_adapters_alone_export_loads_with_peft_and_stops_at_turn_end(tmp_path, tiny_run_assets):
     """merge_on_export: false: PEFT applies the adapters to the base they name and gets the trained model; the
-    folder's generation_config stops at the template's end of turn; leansft's own commands point to the run."""
-    cfg = run_config(tmp_path, tiny_run_assets, "training.method=lora", "training.lora.r=4", "training.max_steps=2",
-                     "checkpoint.export=true", "training.learning_rate=1e-2", "training.lora.merge_on_export=false")
-    train(cfg)
-    run = Path(cfg.output_dir)
+    folder's generation_config stops at the template's end of turn, which the base's own does not name; leansft's
+    own commands point to the run."""
+    import shutil
+
     from peft import AutoPeftModelForCausalLM
     from transformers import GenerationConfig
+
+    base = tmp_path / "base"  # a base that stops at <|endoftext|> (0); the ChatML turn ends with <|im_end|> (2)
+    shutil.copytree(tiny_run_assets["model"], base)
+    GenerationConfig(bos_token_id=1, eos_token_id=0).save_pretrained(base)
+    cfg = run_config(tmp_path, {**tiny_run_assets, "model": str(base)}, "training.method=lora", "training.lora.r=4",
+                     "training.max_steps=2", "checkpoint.export=true", "training.learning_rate=1e-2",
+                     "training.lora.merge_on_export=false")
+    train(cfg)
+    run = Path(cfg.output_dir)
 
     from leansft.core.generation import stop_token_ids
     from leansft.recipe.export_run import load_source
@@ -123,6 +131,7 @@ def test_lora_adapters_alone_export_loads_with_peft_and_stops_at_turn_end(tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(adapted(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
     stops = stop_token_ids(tokenizer, template)
+    assert adapted.generation_config.eos_token_id == 0 and 2 in stops  # PEFT keeps the base's: it would run on
     assert GenerationConfig.from_pretrained(run / "final").eos_token_id == stops
     with pytest.raises(LeanSFTError, match="LoRA adapters alone"):
         load_source(str(run / "final"))
