@@ -150,8 +150,8 @@ def test_show_mask_html_page(tmp_path, qwen25_path, capsys):
 
 
 def test_train_reexecutes_once_under_the_malloc_settings(tmp_path):
-    """``leansft train`` restarts itself (same PID, same arguments) with glibc's malloc keeping freed memory;
-    other commands, LEANSFT_MALLOC=0 and a user's own malloc tunables are left alone."""
+    """``leansft train`` (and eval, doctor) restarts itself (same PID, same arguments) with glibc's malloc keeping
+    freed memory; other commands, LEANSFT_MALLOC=0 and a user's own malloc tunables are left alone."""
     import os
 
     from leansft.tools.allocator import TUNABLES, wanted
@@ -170,7 +170,9 @@ def test_train_reexecutes_once_under_the_malloc_settings(tmp_path):
         return r.stdout.strip()
 
     assert run("-v", "train", "cfg.yaml", "x=1") == f"True ['-v', 'train', 'cfg.yaml', 'x=1'] {TUNABLES}"
+    assert run("eval", "runs/x", "--data", "d").endswith(TUNABLES) and run("doctor", "c.yaml").endswith(TUNABLES)
     assert run("plan", "--data", "d") == "True ['plan', '--data', 'd'] None"
+    assert run("generate", "runs/x", "--prompt", "hi").endswith("None")
     assert run("train", LEANSFT_MALLOC="0").endswith("None")
     assert run("train", GLIBC_TUNABLES="glibc.cpu.x86_shstk=0").endswith(f"glibc.cpu.x86_shstk=0:{TUNABLES}")
     assert not wanted(["train"], {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
