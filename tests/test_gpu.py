@@ -112,3 +112,24 @@ def test_compiled_layers_train_like_eager_on_gpu():
             opt.zero_grad()
             losses[comp].append(float(loss))
     assert np.allclose(losses[False], losses[True], rtol=2e-2), losses
+
+
+def test_eval_and_generate_commands_run_on_the_gpu(tmp_path, tiny_run_assets, monkeypatch, capsys):
+    """`leansft eval` and `generate` put the model on the GPU (they ran on the CPU beside one)."""
+    from leansft.core import evaluation, generation
+    from leansft.tools.cli import main
+
+    seen = []
+    for module, name in ((evaluation, "evaluate"), (generation, "generate")):
+        real = getattr(module, name)
+
+        def spy(model, *a, _real=real, **k):
+            seen.append(next(model.parameters()).device.type)
+            return _real(model, *a, **k)
+
+        monkeypatch.setattr(module, name, spy)
+    assert main(["eval", tiny_run_assets["model"], "--data", tiny_run_assets["data"], "--max-length", "128",
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    assert main(["generate", tiny_run_assets["model"], "--prompt", "Hi", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0
+    assert seen == ["cuda", "cuda"] and "perplexity" in capsys.readouterr().out

@@ -214,12 +214,14 @@ def cmd_doctor(args) -> int:
 
 def _source(args):
     """(model, tokenizer, template, run config or None) of what ``args.model`` names, read as ``export`` reads
-    it: a run folder (its newest checkpoint), a checkpoint (LoRA merged), or a model. An explicit
-    ``--template`` wins over the run's own."""
+    it: a run folder (its newest checkpoint), a checkpoint (LoRA merged), or a model; on the GPU where there is
+    one (``export`` reads on the CPU), in fp32 weights. An explicit ``--template`` wins over the run's own."""
     from leansft.core.data.masking import resolve_template
+    from leansft.recipe.builders import pick_device
     from leansft.recipe.export_run import load_source
 
     model, tok, template, cfg = load_source(args.model)
+    model.to(pick_device())  # eval, generate and chat ran on the CPU even beside a GPU
     if args.template is not None or template is None:
         template = resolve_template(tok, args.template)
     return model, tok, template, cfg
