@@ -9,8 +9,8 @@ mmap and trim thresholds keeps the freed blocks in the heap (the way a CUDA cach
 memory): the process holds its peak, not more. glibc reads these settings only at process start, so
 ``leansft train`` (and ``eval`` and ``doctor``, which run the model over data too: ``leansft eval`` of the 999
 demo chats on a Zen 4 VM in 315 s instead of 367, 0.4M minor faults instead of 33M) re-executes itself once with
-them (same PID, same command line); ``LEANSFT_MALLOC=0`` or an existing malloc setting in ``GLIBC_TUNABLES`` leaves the process as it
-is. Imports nothing heavy: it runs before torch loads.
+them (same PID, same command line); ``LEANSFT_MALLOC=0`` or an existing malloc setting in ``GLIBC_TUNABLES``
+leaves the process as it is. Imports nothing heavy: it runs before torch loads.
 """
 
 from __future__ import annotations
