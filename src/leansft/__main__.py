@@ -8,7 +8,7 @@ from leansft.tools.allocator import command, reexec_with_malloc_settings
 
 
 def main() -> int:
-    reexec_with_malloc_settings(sys.argv[1:])  # train, eval, doctor; before torch: glibc reads them at process start
+    reexec_with_malloc_settings(sys.argv[1:])  # allocator.COMMANDS, before torch: glibc reads them at start
     if command(sys.argv[1:]) in mkl_kernels.COMMANDS:  # the model's products under the kernels training uses
         mkl_kernels.load_shim()  # before torch is imported too: MKL's AVX-512 kernels on AVX-512 CPUs not by Intel
     from leansft.tools.cli import main as cli

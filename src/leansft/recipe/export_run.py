@@ -50,12 +50,12 @@ def load_source(source: str):
         log.info("reading checkpoint %s", path)
     else:  # what train takes as model: a folder, a .gguf (converted once), pkg:, a Hub id
         folder = resolve_model_path(source, default_cache_dir())
-        if (Path(folder) / "adapter_config.json").is_file() and not (Path(folder) / "config.json").is_file():
-            raise LeanSFTError("LoRA adapters alone (exported with training.lora.merge_on_export: false); leansft "
-                               "reads the run folder or one of its checkpoints instead, LoRA merged", file=source,
-                               hint="the run folder it came from (OUTPUT_DIR, with checkpoints/), or PEFT's "
-                                    "AutoPeftModelForCausalLM.from_pretrained on this folder")
         if Path(folder).is_dir() and not (Path(folder) / "config.json").is_file():
+            if (Path(folder) / "adapter_config.json").is_file():
+                raise LeanSFTError("LoRA adapters alone (exported with training.lora.merge_on_export: false); "
+                                   "leansft reads the run folder or one of its checkpoints instead, LoRA merged",
+                                   file=source, hint="the run folder it came from (OUTPUT_DIR, with checkpoints/), or "
+                                                     "PEFT's AutoPeftModelForCausalLM.from_pretrained on this folder")
             raise LeanSFTError("not a run, checkpoint or model folder (no checkpoints/, state.json or config.json)",
                                file=source)
         cfg, model = None, load_model(folder, torch.float32)
