@@ -8,7 +8,9 @@ it, i.e. as ``leansft train`` does):
 - ``onednn``: fp32 products through oneDNN on a CPU where MKL alone runs AVX2 code (linear layers, LoRA's frozen
   base, the loss head; ``core/onednn_linear.py``) vs MKL everywhere; "on" takes oneDNN even where the process
   loaded the MKL shim (``core/mkl_kernels.py``), where leansft itself keeps MKL;
-- ``onednn-head``: the same for the loss head's products only (``core/loss.py``).
+- ``onednn-head``: the same for the loss head's products only (``core/loss.py``);
+- ``bf16-head-grads``: under CPU bf16 autocast where oneDNN keeps fp32 products, the loss head's two gradient
+  products in bf16 (``core/loss.py``'s ``gradient_dtype``) vs fp32 products as its logits.
 
 Both ways train the same model in turn (each step is a real update), so losses are not compared here;
 the tests hold the paths' results to each other.
@@ -41,6 +43,9 @@ def switch(name: str):
             return state["on"] and could() and onednn_linear.eligible(*a)
 
         loss.onednn_linear = types.SimpleNamespace(applies=head, mm_t=onednn_linear.mm_t)
+    elif name == "bf16-head-grads":
+        chosen = loss.gradient_dtype
+        loss.gradient_dtype = lambda device: chosen(device) if state["on"] else None
     else:
         raise SystemExit(f"unknown switch {name!r}")
     return lambda on: state.update(on=on)
@@ -48,7 +53,7 @@ def switch(name: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--switch", choices=["onednn", "onednn-head"], required=True)
+    ap.add_argument("--switch", choices=["onednn", "onednn-head", "bf16-head-grads"], required=True)
     ap.add_argument("--workload", choices=["fair", "smollm2"], default="smollm2")
     ap.add_argument("--method", choices=["lora", "full"], default="full", help="smollm2 only (fair: full)")
     ap.add_argument("--precision", default="fp32")

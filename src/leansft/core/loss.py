@@ -12,6 +12,7 @@ extra memory is one chunk's fp32 logits (plus the weight gradient that training 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -21,17 +22,26 @@ from leansft.core.errors import ConfigError
 from leansft.core.tied_embedding import accumulate_grad
 
 
+def _cpu_bf16_autocast(device: torch.device) -> bool:
+    return (device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+
+
+@functools.cache
+def onednn_bf16_mode_engages() -> bool:
+    """Whether oneDNN's bf16 mode for fp32 matmuls (``mkldnn.matmul.fp32_precision = "bf16"``) really multiplies
+    in bf16 on this CPU: with AMX it does; with AVX512-BF16 alone (a Zen 4 EPYC) it keeps fp32 products. Probed
+    once: bf16-rounded inputs leave a relative error near 1e-3, fp32 products near 1e-7."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=g), torch.randn(256, 128, generator=g)
+    with torch.autocast("cpu", enabled=False), _bf16_mode():  # asked from inside the run's autocast
+        got = a @ b
+    exact = a.double() @ b.double()
+    return float((got.double() - exact).norm() / exact.norm()) > 1e-4
+
+
 @contextlib.contextmanager
-def _head_matmul_precision(device: torch.device):
-    """Under CPU bf16 autocast the head's three matmuls (logits, hidden and weight gradients) take bf16
-    inputs with fp32 accumulation and fp32 output (oneDNN, AMX: 2-3x the fp32 rate), as autocast runs every
-    other linear layer of the model; logits, softmax statistics and the loss stay fp32. Where oneDNN does not
-    engage its bf16 mode (AVX512-BF16 without AMX, e.g. Zen 4) the products stay fp32. Elsewhere: unchanged."""
-    cpu_bf16 = (device.type == "cpu" and torch.is_autocast_enabled("cpu")
-                and torch.get_autocast_dtype("cpu") == torch.bfloat16)
-    if not cpu_bf16:
-        yield
-        return
+def _bf16_mode():
     flag = torch.backends.mkldnn.matmul
     was = flag.fp32_precision
     flag.fp32_precision = "bf16"
@@ -41,12 +51,39 @@ def _head_matmul_precision(device: torch.device):
         flag.fp32_precision = was
 
 
+@contextlib.contextmanager
+def _head_matmul_precision(device: torch.device):
+    """Under CPU bf16 autocast the head's three matmuls (logits, hidden and weight gradients) take bf16
+    inputs with fp32 accumulation and fp32 output (oneDNN, AMX: 2-3x the fp32 rate), as autocast runs every
+    other linear layer of the model; logits, softmax statistics and the loss stay fp32. Where oneDNN does not
+    engage its bf16 mode (AVX512-BF16 without AMX, e.g. Zen 4) the logits stay fp32 products and the two gradient
+    products take bf16 inputs instead (``gradient_dtype``). Elsewhere: unchanged."""
+    if not _cpu_bf16_autocast(device):
+        yield
+        return
+    with _bf16_mode():
+        yield
+
+
+def gradient_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype of the head's two gradient products (hidden-state and weight gradients); None: as the logits'.
+    bf16 under CPU bf16 autocast on a CPU that multiplies bf16 in hardware where oneDNN's bf16 mode does not engage
+    (AVX512-BF16 without AMX): bf16 inputs and bf16 results, as autocast computes every other layer's gradients;
+    the logits, and so the loss, stay fp32 products. Measured on a Zen 4 EPYC: the head's forward and backward
+    ~20% shorter at the fair workload's and SmolLM2's shapes; whole bf16 steps, paired
+    (``benchmarks/pair_step.py --switch bf16-head-grads``), 8% shorter on the fair workload, 2-4% on SmolLM2's
+    (inside that machine's noise)."""
+    if not _cpu_bf16_autocast(device) or not torch.cpu._is_avx512_bf16_supported():
+        return None
+    return None if onednn_bf16_mode_engages() else torch.bfloat16
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """logits = softcap(scale * (h @ W^T + b)); cross-entropy summed; gradients made chunk by chunk."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size: int, scale: float, softcap: float | None,
-                token_weights=None, weight_grad_in_place: bool = False):
+                token_weights=None, weight_grad_in_place: bool = False, grad_dtype: torch.dtype | None = None):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
         # The first chunk writes the weight and bias gradients, later ones add to them: no zero-filled
@@ -61,6 +98,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # chunk: on the CPU a fresh [chunk, vocab] tensor per op costs page faults comparable to the arithmetic
         # (oneDNN returns a fresh tensor and still wins). Softmax statistics are computed in the logits in place.
         dnn = onednn_linear.applies(hidden, w, None)
+        w_low = w.to(grad_dtype) if grad_dtype is not None and need_h else None  # once, not per chunk
         buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=torch.float32,
                           device=hidden.device) if fp32 and not dnn else None
         for s in range(0, hidden.shape[0], chunk_size):
@@ -94,13 +132,22 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     g *= 1.0 - capped * capped
                 if scale != 1.0:
                     g *= scale
-                if need_h and dnn:
+                g_low = g.to(grad_dtype) if grad_dtype is not None else None
+                if need_h and g_low is not None:  # bf16 result, into fp32 rows
+                    grad_h[s : s + chunk_size] = torch.mm(g_low, w_low)
+                elif need_h and dnn:
                     grad_h[s : s + chunk_size] = onednn_linear.mm_t(g, w.t())
                 elif need_h and fp32:  # into its rows; an out= matmul is outside autocast (fp32 out, see above)
                     torch.mm(g, w, out=grad_h[s : s + chunk_size])
                 elif need_h:
                     grad_h[s : s + chunk_size] = (g.to(w.dtype) @ w).to(hidden.dtype)
-                if need_w:
+                if need_w and g_low is not None:
+                    part = torch.mm(g_low.t(), h.to(grad_dtype))
+                    if s == 0:
+                        grad_w.copy_(part)
+                    else:
+                        grad_w += part
+                elif need_w:
                     if s == 0:
                         torch.mm(g.t(), h.float(), out=grad_w)
                     else:
@@ -128,7 +175,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         if ctx.param is not None:  # into weight.grad directly; the tied embedding's sparse rows are added there
             accumulate_grad(ctx.param, grads[1])
             grads[1] = None
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def select_targets(hidden: torch.Tensor, labels: torch.Tensor,
@@ -174,7 +221,8 @@ def chunked_loss(
         h, weight = h.detach(), weight.detach()
         bias = bias.detach() if bias is not None else None
     with _head_matmul_precision(hidden.device):  # the Function's forward computes the gradients too
-        loss = _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap, tw, weight_grad_in_place)
+        loss = _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap, tw, weight_grad_in_place,
+                                      gradient_dtype(hidden.device))
     return loss, int(t.numel())
 
 
