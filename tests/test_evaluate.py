@@ -139,6 +139,14 @@ def test_eval_and_generate_commands(tmp_path, tiny_run_assets, capsys):
                  "--cache-dir", str(tmp_path / "c"), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["eval_perplexity"] == pytest.approx(math.exp(result["eval_loss"])) and result["eval_targets"] > 0
+    assert result["eval_precision"] == "fp32"
+    # --precision bf16: the decoder under bf16 autocast (emulated where the CPU has no bf16 units), the loss near
+    # fp32's but not the same computation
+    assert main(["eval", tiny_run_assets["model"], "--data", tiny_run_assets["data"], "--max-length", "128",
+                 "--cache-dir", str(tmp_path / "c"), "--json", str(out), "--precision", "bf16"]) == 0
+    low = json.loads(out.read_text())
+    assert low["eval_precision"] == "bf16 autocast" and low["eval_targets"] == result["eval_targets"]
+    assert 0 < abs(low["eval_loss"] - result["eval_loss"]) < 1e-2 * result["eval_loss"]
     assert main(["generate", tiny_run_assets["model"], "--prompt", "Hi", "--max-new-tokens", "3",
                  "--temperature", "0"]) == 0
     assert "perplexity" in capsys.readouterr().out

@@ -172,7 +172,7 @@ def cmd_eval(args) -> int:
     from leansft.core.attention import VARLEN, use_packed_attention
     from leansft.core.data.prepare import prepare_data
     from leansft.core.evaluation import evaluate
-    from leansft.recipe.builders import model_location
+    from leansft.recipe.builders import autocast_dtype, model_location
 
     model, _, _, cfg = _source(args)
     data_cfg = _data_config(args, args.max_length)
@@ -181,10 +181,13 @@ def cmd_eval(args) -> int:
     tokenizer_spec = args.model if cfg is None else cfg.tokenizer or model_location(cfg)
     prep = prepare_data(data_cfg, tokenizer_spec, holdout=False)
     use_packed_attention(model, VARLEN)
-    result = evaluate(model, prep.train, args.max_length, max(args.max_length, default(BatchingConfig,
-                                                                                         "tokens_per_micro_batch")))
+    amp = autocast_dtype(args.precision, next(model.parameters()).device)
+    result = evaluate(model, prep.train, args.max_length,
+                      max(args.max_length, default(BatchingConfig, "tokens_per_micro_batch")), autocast_dtype=amp)
+    result["eval_precision"] = "bf16 autocast" if amp is not None else "fp32"
     print(f"eval loss {result['eval_loss']:.4f}  perplexity {result['eval_perplexity']:.3f}  "
-          f"token accuracy {result['eval_token_accuracy']:.2%}  over {result['eval_targets']:,} target tokens")
+          f"token accuracy {result['eval_token_accuracy']:.2%}  over {result['eval_targets']:,} target tokens  "
+          f"({result['eval_precision']})")
     _write_json(args.json, result)
     return 0
 
@@ -365,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("model", help="a run folder (its newest checkpoint), a checkpoint or a model, as for export")
     _add_data_args(e)
     e.add_argument("--max-length", type=_positive, default=default(DataConfig, "max_length"))
+    e.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",
+                   help="fp32: the loss as the plain model computes it; bf16 / auto: the decoder under bf16 autocast "
+                        "(auto: where the device multiplies bf16 in hardware), as a bf16 run evaluates while it "
+                        "trains; the logits and the loss stay fp32")
     e.add_argument("--json", default=None)
     e.set_defaults(func=cmd_eval)
 
