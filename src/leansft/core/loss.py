@@ -99,6 +99,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # (oneDNN returns a fresh tensor and still wins). Softmax statistics are computed in the logits in place.
         dnn = onednn_linear.applies(hidden, w, None)
         w_low = w.to(grad_dtype) if grad_dtype is not None and need_h else None  # once, not per chunk
+        g_buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=grad_dtype,
+                            device=hidden.device) if grad_dtype is not None else None  # one for every chunk, too
         buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=torch.float32,
                           device=hidden.device) if fp32 and not dnn else None
         for s in range(0, hidden.shape[0], chunk_size):
@@ -132,7 +134,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     g *= 1.0 - capped * capped
                 if scale != 1.0:
                     g *= scale
-                g_low = g.to(grad_dtype) if grad_dtype is not None else None
+                g_low = g_buf[: len(g)].copy_(g) if g_buf is not None else None  # after the fp32 "- 1"
                 if need_h and g_low is not None:  # bf16 result, into fp32 rows
                     grad_h[s : s + chunk_size] = torch.mm(g_low, w_low)
                 elif need_h and dnn:
