@@ -71,8 +71,8 @@ def gradient_dtype(device: torch.device) -> torch.dtype | None:
     (AVX512-BF16 without AMX): bf16 inputs and bf16 results, as autocast computes every other layer's gradients;
     the logits, and so the loss, stay fp32 products. Measured on a Zen 4 EPYC: the head's forward and backward
     ~20% shorter at the fair workload's and SmolLM2's shapes; whole bf16 steps, paired
-    (``benchmarks/pair_step.py --switch bf16-head-grads``), 8% shorter on the fair workload, 2-4% on SmolLM2's
-    (inside that machine's noise)."""
+    (``benchmarks/pair_step.py --switch bf16-head-grads``), 8% shorter on the fair workload; on SmolLM2's no
+    change resolved from that machine's noise."""
     if not _cpu_bf16_autocast(device) or not torch.cpu._is_avx512_bf16_supported():
         return None
     return None if onednn_bf16_mode_engages() else torch.bfloat16
