@@ -69,7 +69,8 @@ def gradient_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype of the head's two gradient products (hidden-state and weight gradients); None: as the logits'.
     bf16 under CPU bf16 autocast on a CPU that multiplies bf16 in hardware where oneDNN's bf16 mode does not engage
     (AVX512-BF16 without AMX): bf16 inputs and bf16 results, as autocast computes every other layer's gradients;
-    the logits, and so the loss, stay fp32 products. Measured on a Zen 4 EPYC: the head's forward and backward
+    the logits, and so the loss, stay fp32 products. Costs a bf16 copy of the weight and of one chunk's gradient
+    (SmolLM2: 57 + 100 MB at chunks of 1,024). Measured on a Zen 4 EPYC: the head's forward and backward
     ~20% shorter at the fair workload's and SmolLM2's shapes; whole bf16 steps, paired
     (``benchmarks/pair_step.py --switch bf16-head-grads``), 8% shorter on the fair workload; on SmolLM2's no
     change resolved from that machine's noise."""
