@@ -99,6 +99,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # chunk: on the CPU a fresh [chunk, vocab] tensor per op costs page faults comparable to the arithmetic
         # (oneDNN returns a fresh tensor and still wins). Softmax statistics are computed in the logits in place.
         dnn = onednn_linear.applies(hidden, w, None)
+        grad_dtype = grad_dtype if need_h or need_w else None  # no products to make (evaluation)
         w_low = w.to(grad_dtype) if grad_dtype is not None and need_h else None  # once, not per chunk
         g_buf = torch.empty((min(chunk_size, hidden.shape[0]), w.shape[0]), dtype=grad_dtype,
                             device=hidden.device) if grad_dtype is not None else None  # one for every chunk, too
