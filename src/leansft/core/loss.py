@@ -51,18 +51,13 @@ def _bf16_mode():
         flag.fp32_precision = was
 
 
-@contextlib.contextmanager
-def _head_matmul_precision(device: torch.device):
+def _head_matmul_precision(device: torch.device) -> contextlib.AbstractContextManager:
     """Under CPU bf16 autocast the head's three matmuls (logits, hidden and weight gradients) take bf16
     inputs with fp32 accumulation and fp32 output (oneDNN, AMX: 2-3x the fp32 rate), as autocast runs every
     other linear layer of the model; logits, softmax statistics and the loss stay fp32. Where oneDNN does not
     engage its bf16 mode (AVX512-BF16 without AMX, e.g. Zen 4) the logits stay fp32 products and the two gradient
     products take bf16 inputs instead (``gradient_dtype``). Elsewhere: unchanged."""
-    if not _cpu_bf16_autocast(device):
-        yield
-        return
-    with _bf16_mode():
-        yield
+    return _bf16_mode() if _cpu_bf16_autocast(device) else contextlib.nullcontext()
 
 
 def gradient_dtype(device: torch.device) -> torch.dtype | None:
