@@ -102,3 +102,17 @@ def test_the_commands_that_run_the_model_load_the_shim_before_torch(monkeypatch)
         loads.clear()
         monkeypatch.setattr(sys, "argv", ["leansft", *argv])
         assert entry.main() == 0 and loads == ([True] if expected else []), argv
+
+
+def test_model_commands_log_the_kernels_they_run(monkeypatch, caplog, tmp_path):
+    """eval, generate, chat and export say which fp32 kernels computed their numbers, as train's log does."""
+    from leansft.tools import cli
+
+    monkeypatch.setitem(mkl_kernels._state, "note", mkl_kernels.LOADED_NOTE)
+    monkeypatch.setattr(mkl_kernels, "check_products", lambda: None)
+    for argv, expected in ((["export", str(tmp_path / "none"), str(tmp_path / "out")], True),
+                           (["plan", "--data", str(tmp_path / "none.jsonl"), "--tokenizer", "t"], False)):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="leansft"):
+            cli.main(argv)  # both fail on the missing input, after the kernels were (or were not) named
+        assert (f"fp32 matmuls (MKL): {mkl_kernels.LOADED_NOTE}" in caplog.text) == expected, argv

@@ -185,6 +185,8 @@ def cmd_eval(args) -> int:
     result = evaluate(model, prep.train, args.max_length,
                       max(args.max_length, default(BatchingConfig, "tokens_per_micro_batch")), autocast_dtype=amp)
     result["eval_precision"] = "bf16 autocast" if amp is not None else "fp32"
+    if next(model.parameters()).device.type == "cpu":  # a loss to compare with: which fp32 kernels computed it
+        result["fp32_kernels"] = mkl_kernels.kernels()
     print(f"eval loss {result['eval_loss']:.4f}  perplexity {result['eval_perplexity']:.3f}  "
           f"token accuracy {result['eval_token_accuracy']:.2%}  over {result['eval_targets']:,} target tokens  "
           f"({result['eval_precision']})")
@@ -414,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         mkl_kernels.check_products()  # where `python -m leansft` loaded MKL's AVX-512 kernels: checked before use
+        if args.command in mkl_kernels.COMMANDS - {"train", "doctor"} and mkl_kernels.note():  # those two say it
+            logging.getLogger("leansft").info("fp32 matmuls (MKL): %s", mkl_kernels.note())  # themselves
         return int(args.func(args) or 0)
     except LeanSFTError as err:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank stops; one says why
