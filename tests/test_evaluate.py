@@ -171,3 +171,15 @@ def test_eval_and_generate_read_a_run_folder_as_export_does(tmp_path, tiny_run_a
         answers.append(capsys.readouterr().out)
     assert results[0]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-5)
     assert results[0]["eval_targets"] == results[1]["eval_targets"] and answers[0] == answers[1]
+
+
+def test_a_sample_prompt_on_the_console_starts_at_a_line_or_word():
+    from leansft.recipe.evaluator import prompt_tail
+
+    rendered = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                "<|im_start|>user\nHow would you generate random numbers between 1 and 10 in Java?<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    assert prompt_tail(rendered) == ("\u2026<|im_start|>user\nHow would you generate random numbers between 1 and 10 "
+                                     "in Java?<|im_end|>\n<|im_start|>assistant")
+    assert prompt_tail("word " * 50, 40) == "\u2026" + ("word " * 8).strip()  # no line near: from a word
+    assert prompt_tail("x" * 200, 40) == "\u2026" + "x" * 40 and prompt_tail(" short\n") == "short"

@@ -22,6 +22,20 @@ def due(every: int | None, step: int, total: int) -> bool:
     return bool(every) and (step % every == 0 or step in (0, total))
 
 
+def prompt_tail(text: str, limit: int = 160) -> str:
+    """The end of a rendered prompt for the console: at most ``limit`` characters, starting at a line (else a
+    word) where that is near, so a sample reads from its last turn's header instead of mid-word."""
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    tail = text[-limit:]
+    for sep in ("\n", " "):
+        cut = tail.find(sep)
+        if 0 <= cut < limit // 2:
+            return "…" + tail[cut + 1 :]
+    return "…" + tail
+
+
 class Evaluator:
     def __init__(self, cfg, model, prep, device, amp, out: Path, sharded=None) -> None:
         self.cfg, self.model, self.prep, self.device, self.amp, self.out = cfg, model, prep, device, amp, out
@@ -98,7 +112,7 @@ class Evaluator:
                     text = p if isinstance(p, str) else self.prep.tokenizer.decode(p) if not isinstance(p[0], dict) \
                         else p[-1]["content"]
                     fh.write(json.dumps({"step": step, "prompt": text, "answer": a}) + "\n")
-                    self.console.print(f"[dim]step {step} sample:[/] {text[-160:].strip()!r}\n  [bold]-> {a!r}[/]")
+                    self.console.print(f"[dim]step {step} sample:[/] {prompt_tail(text)!r}\n  [bold]-> {a!r}[/]")
         return answers
 
     def print_record(self, r: dict) -> None:
