@@ -6,8 +6,10 @@ checkpointing, in the same precision (TRL's own defaults, gradient checkpointing
 switched to match leansft's; ``--precision bf16`` sets TRL's ``bf16=True`` and leansft's bf16 autocast).
 Each side runs in its own subprocess: a short pass under the live-tensor memory tracker (peak bytes),
 then the timed run. Sides alternate (TRL, leansft, TRL, leansft, ...) for ``--pairs`` pairs, so a busy
-machine slows both alike. Real tokens/s: TRL's over ``trainer.train()``, leansft's over its training
-steps (model loading, data preparation, the pre-flight verification and the export are outside both).
+machine slows both alike; before each pair and after the last a child measures the CPU's fp32 matmul rate
+(the ``host:`` line), so a reader sees whether the host's speed moved during the comparison. Real tokens/s:
+TRL's over ``trainer.train()``, leansft's over its training steps (model loading, data preparation, the
+pre-flight verification and the export are outside both).
 leansft's side runs under the glibc malloc settings ``leansft train`` gives itself (``tools/allocator.py``)
 and, on AVX-512 CPUs not made by Intel, with MKL's AVX-512 kernels (``core/mkl_kernels.py``); ``--same-malloc``
 and ``--same-mkl`` give TRL's side the same, for the difference each makes alone.
@@ -256,6 +258,13 @@ def run_trl(s: dict, measure_memory: bool) -> dict:
 
 
 def child(kind: str, settings: dict) -> None:
+    if kind == "host":  # this CPU's fp32 matmul rate now, MKL's kernels as leansft runs them
+        load_shim()  # before torch is imported, as `leansft train` does
+        import torch
+        from profile_step import measured_peak
+
+        print("RESULT " + json.dumps({"fp32_gflops": round(measured_peak(torch.float32) / 1e9, 1)}))
+        return
     side, strategy = (kind.split(":") + [""])[:2]
     if side == "leansft" or settings.get("same_mkl"):
         load_shim()  # before torch is imported, as `leansft train` does
@@ -305,8 +314,12 @@ def main() -> None:
                 "precision": args.precision, "method": args.method or ("lora" if smol else "full"),
                 "lr": args.lr or (2e-4 if smol else 1e-3), "same_malloc": args.same_malloc,
                 "same_mkl": args.same_mkl}
-    pairs = [(run_child("trl", settings), run_child("leansft:bfd", settings)) for _ in range(args.pairs)]
+    pairs, peaks = [], []
+    for _ in range(args.pairs):
+        peaks.append(run_child("host", settings)["fp32_gflops"])
+        pairs.append((run_child("trl", settings), run_child("leansft:bfd", settings)))
     extra = {k: run_child(f"leansft:{k}", settings) for k in args.strategies.split(",") if k and k != "bfd"}
+    peaks.append(run_child("host", settings)["fp32_gflops"])
     print(f"\n{args.workload}: {settings['method']}, {args.examples} chats, rows of {args.max_length}, "
           f"{args.steps or 'one epoch of'} steps, CPU {args.precision}, lr {settings['lr']}"
           f"{', TRL under the same malloc settings' if args.same_malloc else ''}"
@@ -322,6 +335,8 @@ def main() -> None:
     mem = [o["peak_bytes"] / t["peak_bytes"] for t, o in pairs]
     print(f"leansft/TRL real tokens/s, pair by pair: {', '.join(f'{x:.2f}x' for x in ratios)}"
           f"   peak memory leansft/TRL: {min(mem):.2f}-{max(mem):.2f}x")
+    print(f"host: fp32 matmul {', '.join(f'{x:,.0f}' for x in peaks)} GFLOP/s before each pair and at the end "
+          f"(spread {max(peaks) / min(peaks) - 1:.0%}: more than ~10% says the host's speed moved meanwhile)")
 
 
 if __name__ == "__main__":
