@@ -111,15 +111,19 @@ def test_model_card_says_what_the_model_is(tracked_run):
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_model_card_says_whether_the_export_is_merged_or_adapters_alone(method):
+def test_model_card_says_whether_the_export_is_merged_or_adapters_alone(method, tmp_path):
     from leansft.core.config import load_config
-    from leansft.recipe.model_card import method_text
+    from leansft.recipe.model_card import method_text, model_card
 
     base = ["model=tiny", "data.sources=[rows.jsonl]", f"training.method={method}"]
-    merged = method_text(load_config(None, base).training)
-    alone = method_text(load_config(None, [*base, "training.lora.merge_on_export=false"]).training)
+    merged_cfg, alone_cfg = load_config(None, base), load_config(None, [*base, "training.lora.merge_on_export=false"])
+    merged, alone = method_text(merged_cfg.training), method_text(alone_cfg.training)
     assert "the export merges the adapters" in merged and "adapters alone" not in merged
     assert "the export holds the adapters alone" in alone and "merges" not in alone
+    # the header's library_name is what loads the folder: transformers for merged weights, PEFT for adapters alone
+    library = [yaml.safe_load(re.match(r"---\n(.*?)\n---", model_card(c, tmp_path, [], [], {}), re.S).group(1))
+               ["library_name"] for c in (merged_cfg, alone_cfg)]
+    assert library == ["transformers", "peft"]
     if method == "qlora":
         assert "into the dequantised 4-bit base weights" in merged
         assert "load the base quantised the same way (nf4, double quantisation True)" in alone

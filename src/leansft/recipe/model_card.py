@@ -1,7 +1,7 @@
 """OUTPUT_DIR/final/README.md: a Hugging Face model card saying what the exported model is.
 
-YAML header (base_model, library_name, tags, datasets where they are Hub names, license when the base
-model states one), then: base model, method and its settings, data sources with counts and the data
+YAML header (base_model, library_name: peft for adapters alone, else transformers; tags, datasets where they
+are Hub names, license when the base model states one), then: base model, method and its settings, data sources with counts and the data
 report, max_length and packing, steps and tokens seen, final train and eval loss/perplexity, samples
 before and after, hardware and real tokens/s, and the command that reproduces the run.
 """
@@ -74,7 +74,9 @@ def model_card(cfg: RunConfig, out: Path, records: list[dict], samples: list[dic
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     last = train[-1] if train else {}
-    header = {"base_model": cfg.model if _hub_name(cfg.model) else None, "library_name": "transformers",
+    adapters_alone = cfg.training.method in ("lora", "qlora") and not cfg.training.lora.merge_on_export
+    header = {"base_model": cfg.model if _hub_name(cfg.model) else None,
+              "library_name": "peft" if adapters_alone else "transformers",  # what loads the folder (the Hub's)
               "tags": ["leansft", "sft", cfg.training.method], "license": base_license(cfg.model),
               "datasets": [s.path for s in cfg.data.sources if _hub_name(s.path)] or None,
               "pipeline_tag": "text-generation"}
