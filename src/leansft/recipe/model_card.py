@@ -1,9 +1,9 @@
 """OUTPUT_DIR/final/README.md: a Hugging Face model card saying what the exported model is.
 
 YAML header (base_model, library_name: peft for adapters alone, else transformers; tags, datasets where they
-are Hub names, license when the base model states one), then: base model, method and its settings, data sources with counts and the data
-report, max_length and packing, steps and tokens seen, final train and eval loss/perplexity, samples
-before and after, hardware and real tokens/s, and the command that reproduces the run.
+are Hub names, license when the base model states one), then: base model, method and its settings, data sources
+with counts and the data report, max_length and packing, steps and tokens seen, final train and eval
+loss/perplexity, samples before and after, hardware and real tokens/s, and the command that reproduces the run.
 """
 
 from __future__ import annotations
