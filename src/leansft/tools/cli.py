@@ -416,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         mkl_kernels.check_products()  # where `python -m leansft` loaded MKL's AVX-512 kernels: checked before use
-        if args.command in mkl_kernels.COMMANDS - {"train", "doctor"} and mkl_kernels.note():  # those two say it
-            logging.getLogger("leansft").info("fp32 matmuls (MKL): %s", mkl_kernels.note())  # themselves
+        # which fp32 kernels the model's products run (train logs it itself, doctor reports it as a check)
+        if args.command in mkl_kernels.COMMANDS - {"train", "doctor"} and mkl_kernels.note():
+            logging.getLogger("leansft").info("fp32 matmuls (MKL): %s", mkl_kernels.note())
         return int(args.func(args) or 0)
     except LeanSFTError as err:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank stops; one says why
