@@ -110,9 +110,9 @@ def test_model_commands_log_the_kernels_they_run(monkeypatch, caplog, tmp_path):
 
     monkeypatch.setitem(mkl_kernels._state, "note", mkl_kernels.LOADED_NOTE)
     monkeypatch.setattr(mkl_kernels, "check_products", lambda: None)
-    for argv, expected in ((["export", str(tmp_path / "none"), str(tmp_path / "out")], True),
-                           (["plan", "--data", str(tmp_path / "none.jsonl"), "--tokenizer", "t"], False)):
+    for argv, expected in ((["export", str(tmp_path), str(tmp_path / "out")], True),  # an empty folder: refused
+                           (["report", str(tmp_path / "no-run")], False)):
         caplog.clear()
         with caplog.at_level("INFO", logger="leansft"):
-            cli.main(argv)  # both fail on the missing input, after the kernels were (or were not) named
+            cli.main(argv)  # both fail on their input, after the kernels were (or were not) named
         assert (f"fp32 matmuls (MKL): {mkl_kernels.LOADED_NOTE}" in caplog.text) == expected, argv
