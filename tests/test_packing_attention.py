@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -256,11 +258,69 @@ def test_the_cuda_choice_of_backend_follows_what_torch_and_flash_attn_offer(monk
     from leansft.core.errors import ConfigError
 
     cuda = torch.device("cuda")
-    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)  # neither flash-attn nor varlen
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)  # no flash-attn
+    monkeypatch.setattr(attention, "_torch_varlen_options", lambda: frozenset())  # no varlen module
     assert attention.choose_backend(cuda) == VARLEN
     with pytest.raises(ConfigError, match="torch.nn.attention.varlen"):
         attention.choose_backend(cuda, "torch_varlen")
+    # torch 2.10's varlen_attn (causal by a flag, no scale): its kernel is not used
+    monkeypatch.setattr(attention, "_torch_varlen_options", lambda: frozenset({"is_causal", "return_aux"}))
+    assert attention.choose_backend(cuda) == VARLEN
     monkeypatch.setattr(attention, "_has_torch_varlen", lambda: True)
     assert attention.choose_backend(cuda) == attention.TORCH_VARLEN
     assert attention.choose_backend(cuda, half=False) == VARLEN
     assert attention.choose_backend(torch.device("cpu")) == VARLEN
+
+
+def _fake_varlen_attn(enable_gqa_param: bool):
+    """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` with torch 2.11's keywords (no
+    ``enable_gqa``: it insists on as many key/value heads as query heads) or 2.13's: per-segment SDPA in fp32."""
+    import torch.nn.functional as F
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), enable_gqa=False):
+        assert query.dtype == torch.bfloat16 and cu_seq_q.dtype == torch.int32 and torch.equal(cu_seq_q, cu_seq_k)
+        assert window_size[1] == 0 and max_q == max_k == int(torch.diff(cu_seq_q).max())
+        assert enable_gqa or key.shape[1] == query.shape[1]
+        outs = []
+        for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(), strict=True):
+            q, k, v = (x[a:b].transpose(0, 1).float() for x in (query, key, value))
+            i = torch.arange(b - a)
+            allowed = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] <= window_size[0])
+                                                   if window_size[0] >= 0 else True)
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                                       enable_gqa=enable_gqa).transpose(0, 1))
+        return torch.cat(outs).to(query.dtype)
+
+    if enable_gqa_param:
+        return kernel
+
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1)):
+        return kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    return torch_2_11
+
+
+@pytest.mark.parametrize("enable_gqa_param", [False, True], ids=["torch-2.11", "torch-2.13"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_torch_varlen_call_fits_the_installed_torch(monkeypatch, enable_gqa_param, window):
+    """What ``torch_varlen_attention`` hands PyTorch's varlen kernel (CUDA only, so a CPU stand-in here): grouped
+    key/value heads repeated where the kernel has no ``enable_gqa`` (torch 2.11, the H200 image's), passed as
+    they are where it has; causal, scaled and windowed as per-segment SDPA attends."""
+    import torch.nn.attention.varlen as varlen
+
+    from leansft.core import attention
+
+    fake = _fake_varlen_attn(enable_gqa_param)
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    monkeypatch.setattr(attention, "_torch_varlen_options", lambda: frozenset(inspect.signature(fake).parameters))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 20, 16, generator=g).bfloat16().float() for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 12, 20])
+    kw = dict(cu_seq_lens_q=cu, max_length_q=8, sliding_window=window)
+    module = torch.nn.Module().eval()
+    got, _ = attention.torch_varlen_attention(module, q, k, v, None, scaling=0.3, **kw)
+    want, _ = sdpa_varlen_attention(module, q, k, v, None, scaling=0.3, **kw)
+    assert got.shape == want.shape == (1, 20, 4, 16) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import itertools
 import logging
 
@@ -181,13 +182,20 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     window = kwargs.get("sliding_window")
     half = query.dtype if query.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     q, k, v = (x[0].transpose(0, 1).to(half) for x in (query, key, value))  # [T, H, D]
+    gqa = {}
+    if q.shape[1] != k.shape[1]:  # grouped key/value heads: query head h reads key/value head h // n_rep
+        if "enable_gqa" in _torch_varlen_options():
+            gqa["enable_gqa"] = True
+        else:  # torch 2.11's varlen_attn has no enable_gqa: the heads repeated as transformers' repeat_kv does
+            n_rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
     max_len = int(kwargs.get("max_length_q") or int(torch.diff(cu).max()))
     if chunk_size(module) is not None:  # a chunked layer: the chunks' boundaries (a small host-to-device copy)
         sizes = layer_sizes(module, segment_sizes(cu))
         cu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int32, device=query.device)
         max_len = max(sizes)
     out = varlen_attn(q, k, v, cu.to(torch.int32), cu.to(torch.int32), max_len, max_len, scale=scaling,
-                      window_size=(window - 1 if window else -1, 0), enable_gqa=q.shape[1] != k.shape[1])
+                      window_size=(window - 1 if window else -1, 0), **gqa)
     return out.to(query.dtype)[None], None
 
 
@@ -254,22 +262,36 @@ def register() -> None:
     AttentionInterface.register(TORCH_VARLEN, torch_varlen_attention)
 
 
+@functools.cache
+def _torch_varlen_options() -> frozenset[str]:
+    """The keyword arguments this torch's ``varlen_attn`` takes (2.10: ``is_causal``; 2.11: ``scale`` and
+    ``window_size``; 2.13: also ``enable_gqa``); empty without the module."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return frozenset()
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _has_torch_varlen() -> bool:
-    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    """A ``varlen_attn`` that takes what ``torch_varlen_attention`` passes (causal through ``window_size``, and
+    the model's ``scale``): torch 2.11 on; an older one's kernel is not used (per-segment SDPA instead)."""
+    return {"scale", "window_size"} <= _torch_varlen_options()
 
 
 def choose_backend(device: torch.device, requested: str = "auto", training: bool = True, half: bool = True) -> str:
     """The packed-attention implementation for this device, or a clear error if the request can't run.
 
     auto: where the run computes in bf16 on CUDA (``half``), flash-attn's varlen kernel if installed, else
-    PyTorch's own varlen kernel (torch 2.13 has it; an older torch gets per-segment SDPA); otherwise per-segment
+    PyTorch's own varlen kernel (torch 2.11 on; an older torch gets per-segment SDPA); otherwise per-segment
     SDPA (the CPU, and fp32 runs: exact in fp32)."""
     register()
     has_flash = importlib.util.find_spec("flash_attn") is not None
     has_torch_varlen = _has_torch_varlen()
     if requested == "torch_varlen" and not has_torch_varlen:
-        raise ConfigError(f"attention 'torch_varlen' needs torch.nn.attention.varlen, which torch {torch.__version__} "
-                          "does not have", field="training.attention", hint="use attention: auto or sdpa_varlen")
+        raise ConfigError(f"attention 'torch_varlen' needs torch.nn.attention.varlen's varlen_attn with scale and "
+                          f"window_size (torch 2.11 or later), which torch {torch.__version__} does not have",
+                          field="training.attention", hint="use attention: auto or sdpa_varlen")
     if requested in ("flash",) and not (has_flash and device.type == "cuda"):
         raise ModelError("attention 'flash' needs the flash-attn package and a CUDA device",
                          field="training.attention", hint="pip install flash-attn, or use attention: auto")
