@@ -7,16 +7,18 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
-import transformers as tf
-from helpers import ALPACA, build_tiny_bpe, offline_counter_dir, package_dir, write_jsonl
-
-from leansft.core.data.tokenizer import load_tokenizer
-
+# Before anything imports huggingface_hub, which reads these once: a test that reaches for the Hub fails at once
+# instead of waiting through the HTTP back-off (no network here).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+from helpers import ALPACA, build_tiny_bpe, offline_counter_dir, package_dir, write_jsonl  # noqa: E402
+
+from leansft.core.data.tokenizer import load_tokenizer  # noqa: E402
 # `make test` runs two xdist workers on a 2-core machine: one OpenMP thread each (and in the runs they start),
 # or four threads, spinning while they wait, share two cores.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
