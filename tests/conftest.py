@@ -19,6 +19,7 @@ import transformers as tf  # noqa: E402
 from helpers import ALPACA, build_tiny_bpe, offline_counter_dir, package_dir, write_jsonl  # noqa: E402
 
 from leansft.core.data.tokenizer import load_tokenizer  # noqa: E402
+
 # `make test` runs two xdist workers on a 2-core machine: one OpenMP thread each (and in the runs they start),
 # or four threads, spinning while they wait, share two cores.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
