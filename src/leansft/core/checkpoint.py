@@ -65,9 +65,25 @@ def _fsync_dir(path: Path) -> None:
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
+def _for_safetensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host tensors ``save_file`` takes, copied only where it must: a tensor on the GPU (to the host), or one
+    whose storage another tensor shares (tied weights) or holds more than it. The rest are written from where
+    they live (the write is synchronous): a copy of every tensor would add a model's weights and twice its Adam
+    state to a CPU run's peak memory at each checkpoint, over the peak of training."""
+    out, seen = {}, set()
+    for k, v in tensors.items():
+        v = v.detach().contiguous().cpu()
+        storage = v.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() != v.numel() * v.element_size():
+            v = v.clone()
+        seen.add(v.untyped_storage().data_ptr())
+        out[k] = v
+    return out
+
+
 def _model_state(root) -> dict[str, torch.Tensor]:
     """Trainable weights by name (the LoRA adapters alone for LoRA); gathered from shards under FSDP."""
-    return {k: v.detach().contiguous().clone() for k, v in get_model_state_dict(root, options=_FULL).items()}
+    return _for_safetensors(get_model_state_dict(root, options=_FULL))
 
 
 def _optimizer_state(root, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -77,10 +93,10 @@ def _optimizer_state(root, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     for name, st in sd["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                tensors[f"{name}/{k}"] = v.detach().contiguous().cpu().clone()
+                tensors[f"{name}/{k}"] = v
             else:
                 scalars[f"{name}/{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+    return _for_safetensors(tensors), {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
 def _optimizer_dict(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
