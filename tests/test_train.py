@@ -119,6 +119,36 @@ def test_a_checkpoint_copies_no_cpu_state_but_a_tied_weight(tmp_path):
                                            for k in ("exp_avg", "exp_avg_sq"))
 
 
+def test_a_resume_reads_the_optimizer_state_a_tensor_at_a_time(tmp_path, monkeypatch):
+    """Resuming copies the checkpoint's Adam state into the optimizer's own tensors one at a time: read whole
+    beside the state it replaced, a CPU run's resume needed 1.8x its training's memory (0.5B: 14.4 GB, 8.0)."""
+    from helpers import tiny_model
+
+    def trained(steps: int):
+        model = tiny_model("qwen2").train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+        for _ in range(steps):
+            ids = torch.arange(2, 18)[None]
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        return model, opt, sched
+
+    model, opt, sched = trained(2)
+    path = ckpt.save_checkpoint(tmp_path, 2, model, opt, sched, {}, {})
+    fresh, fresh_opt, fresh_sched = trained(0)
+    read_whole = []
+    real = ckpt.load_file
+    monkeypatch.setattr(ckpt, "load_file", lambda f, *a, **k: read_whole.append(Path(f).name) or real(f, *a, **k))
+    ckpt.load_checkpoint(path, fresh, fresh_opt, fresh_sched)
+    assert "optimizer.safetensors" not in read_whole and "model.safetensors" in read_whole
+    assert [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in opt.param_groups]
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q) and all(torch.equal(opt.state[p][k], fresh_opt.state[q][k]) for k in opt.state[p])
+
+
 def test_lora_saves_adapters_only_and_merges_on_export(tmp_path, tiny_run_assets):
     cfg = run_config(tmp_path, tiny_run_assets, "training.method=lora", "training.lora.r=4",
                      "training.max_steps=2", "checkpoint.export=true", "training.learning_rate=1e-2")
