@@ -87,10 +87,10 @@ def test_crash_during_checkpoint_write_keeps_the_last_good_one(tmp_path, tiny_ru
 
 
 def test_a_checkpoint_copies_no_cpu_state_but_a_tied_weight(tmp_path):
-    """Writing a checkpoint of a CPU run copies neither the weights nor the Adam state (a copy of each added a
-    model's weights and twice its Adam state to the run's peak memory, over the peak of training: 9.9 GB against
-    8.0 for a 0.5B model); only a tied weight is copied (safetensors refuses two names on one storage), and the
-    files read back as the state they were written from."""
+    """Writing a checkpoint of a CPU run copies neither the weights nor the Adam state (copies of both lifted the
+    run's peak memory over training's: 9.9 GB of tensors against 8.0 for a 0.5B model); only a tied weight is
+    copied (safetensors refuses two names on one storage), and the files read back as the state they were
+    written from."""
     from helpers import tiny_model
     from safetensors.torch import load_file, save_file
 

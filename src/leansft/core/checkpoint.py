@@ -68,8 +68,8 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_p
 def _for_safetensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Host tensors ``save_file`` takes, copied only where it must: a tensor on the GPU (to the host), or one
     whose storage another tensor shares (tied weights) or holds more than it. The rest are written from where
-    they live (the write is synchronous): a copy of every tensor would add a model's weights and twice its Adam
-    state to a CPU run's peak memory at each checkpoint, over the peak of training."""
+    they live (the write is synchronous): a copy of every tensor added the weights and the Adam state again (three
+    times the weights) to a CPU run's memory at each checkpoint, over the peak of training."""
     out, seen = {}, set()
     for k, v in tensors.items():
         v = v.detach().contiguous().cpu()
