@@ -1,12 +1,16 @@
 """Peak memory of live torch tensors on the CPU, where torch keeps no allocator statistics.
 
 A dispatch mode sees every tensor an op creates and keeps a weak reference to its storage; when the
-storage dies its bytes come off the count. Views share storage and are counted once.
+storage dies its bytes come off the count. Views share storage and are counted once. A storage that existed
+before the tracker started is counted the first time an op shows it (``linear`` views every weight it
+multiplies), which is how weights loaded from disk, which no op creates, come into a run's peak; ``exclude``
+leaves out the storages of given tensors (a model's own weights, for the memory of a step above them).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -16,8 +20,9 @@ from torch.utils._pytree import tree_flatten
 class TensorMemoryTracker(TorchDispatchMode):
     """``with TensorMemoryTracker() as t: ...`` then ``t.peak`` (bytes above the start)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude if t.device.type == "cpu"}
         self._live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
@@ -39,7 +44,7 @@ class TensorMemoryTracker(TorchDispatchMode):
             return
         storage = t.untyped_storage()
         key, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or key in self._live:
+        if size == 0 or key in self._live or key in self._excluded:
             return
         self._live[key] = size
         self.current += size

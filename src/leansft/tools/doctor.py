@@ -217,7 +217,7 @@ def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    tracker = TensorMemoryTracker() if device.type == "cpu" else None
+    tracker = TensorMemoryTracker(exclude=[*model.parameters(), *model.buffers()]) if device.type == "cpu" else None
     with (tracker if tracker is not None else contextlib.nullcontext(),
           torch.autocast(device.type, dtype=amp, enabled=amp is not None)):
         module(batch).backward()
