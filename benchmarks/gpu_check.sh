@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_check.sh [tests,bench,trl]   (default: tests,bench)
 # tests: the GPU tests; bench: the throughput/MFU table (bench_gpu.py); trl: leansft vs TRL on a Qwen2.5-0.5B-shaped
 # model (bench_trl.py --device cuda). Each part runs whatever the others' outcome (a lent GPU is rare), and the
-# last line gives each one's exit code. tests+bench take ~5-8 minutes and trl ~3-5, so on the device tool they are
-# two calls (one call may run 10 minutes). Installs nothing from the network: what the H200 image lacks (pydantic,
+# last line gives each one's exit code. Never run yet; by estimate tests+bench take 5-8 minutes and trl 3-5 (their
+# timeouts: 9 and 7), so on the device tool they are two calls (one call may run 10 minutes). Installs nothing from the network: what the H200 image lacks (pydantic,
 # TRL, datasets) or has in another version (transformers 5.17) travels in .whl/, made here beforehand by
 # benchmarks/gpu_wheels.sh (carry: [".whl"]).
 set -uo pipefail
