@@ -26,7 +26,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
 from leansft.core.collate import HostRead
@@ -249,9 +249,10 @@ def flex_varlen_attention(module, query, key, value, attention_mask, scaling=Non
     mask = _block_mask(cu, query.shape[2], kwargs.get("sliding_window"), query.device, chunk_size(module))
     sinks = kwargs.get("s_aux")
     out = _flex_kernel(query.device)(query, key, value, block_mask=mask, score_mod=score_mod, scale=scaling,
-                                     enable_gqa=query.shape[1] != key.shape[1], return_lse=sinks is not None)
+                                     enable_gqa=query.shape[1] != key.shape[1],
+                                     return_aux=AuxRequest(lse=True) if sinks is not None else None)
     if sinks is not None:  # softmax over [scores, sink] = softmax over scores x sigmoid(lse - sink)
-        out, lse = out
+        out, lse = out[0], out[1].lse
         out = out * torch.sigmoid(lse - sinks.reshape(1, -1, 1).to(lse.dtype)).unsqueeze(-1).to(out.dtype)
     return out.transpose(1, 2).contiguous(), None
 
