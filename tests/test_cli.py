@@ -191,7 +191,7 @@ def test_help_and_argument_errors_import_no_torch():
 
 def test_third_party_noise_is_kept_off_the_console():
     """bitsandbytes' import-time CPU-kernel warning and peft's deprecated-property warning (every LoRA run
-    showed both) stay off; leansft's own messages and other warnings do not."""
+    showed both) and deprecated-method warning (QLoRA with gradient checkpointing) stay off; leansft's own messages and other warnings do not."""
     import logging
     import warnings
 
@@ -201,6 +201,8 @@ def test_third_party_noise_is_kept_off_the_console():
         warnings.simplefilter("always")
         _setup_logging(verbose=False)
         warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+        warnings.warn("`gradient_checkpointing_enable` is deprecated and will be removed in v6. Use "
+                      "`activation_checkpointing_enable` instead.", FutureWarning)
         warnings.warn("something else", FutureWarning)
     assert [str(w.message) for w in seen] == ["something else"]
     assert not logging.getLogger("bitsandbytes.backends.cpu.ops").isEnabledFor(logging.WARNING)

@@ -93,7 +93,7 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
     else:
         model = load_model(model_path or cfg.model, torch.float32, trust_remote_code=cfg.trust_remote_code)
         if t.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if t.gradient_checkpointing:
         model.config.use_cache = False
     if t.method in ("lora", "qlora"):

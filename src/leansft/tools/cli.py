@@ -52,10 +52,12 @@ def _setup_logging(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     hf_logging.disable_progress_bar()
     # bitsandbytes' CPU backend warns on import (which peft does for every LoRA run) that an optional kernel
-    # package is missing; peft 0.21 reads a property transformers 5 deprecated. Neither is the user's to act on.
+    # package is missing; peft 0.21 reads a property and (QLoRA) calls a method transformers 5 deprecated. None of
+    # it is the user's to act on.
     for noisy in ("transformers", "datasets", "httpx", "huggingface_hub", "peft", "bitsandbytes.backends.cpu.ops"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*(is_gradient_checkpointing|gradient_checkpointing_enable).* is "
+                            "deprecated", category=FutureWarning)
 
 
 def _positive(value: str) -> int:
