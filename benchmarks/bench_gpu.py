@@ -6,6 +6,9 @@ path (varlen attention as ``attention: auto`` picks it, chunked loss, fused Adam
 on padded batches of the same data for the ratio. Full fine-tuning.
 
     python benchmarks/bench_gpu.py [--steps 10] [--tokens 4096,16384] [--shapes 0.5B,1.5B] [--compile false,true]
+
+``--device cpu --shapes tiny`` runs the same script in miniature on the CPU (a test does), so that a GPU lent
+for minutes does not find it broken by a change elsewhere.
 """
 
 from __future__ import annotations
@@ -34,61 +37,71 @@ def synthetic(n: int, vocab: int) -> TokenizedDataset:
     return TokenizedDataset.from_arrays(ids, ids.copy(), off)
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def run(model, batches, steps, device, params, peak) -> dict:
     module = LossModule(model, chunk_size=4096)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     cfg = model.config
     t0 = time.perf_counter()
     for b in batches[:2]:  # warm-up (and compilation, when the layers are compiled)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             (module(b.to(device)) / max(b.target_tokens, 1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    sync(device)
     warm = time.perf_counter() - t0
-    torch.cuda.reset_peak_memory_stats()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     tokens, flops = 0, 0.0
     t0 = time.perf_counter()
     for b in batches[2 : 2 + steps]:
         b = b.to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             (module(b) / max(b.target_tokens, 1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens += b.real_tokens
         flops += step_flops(params[0], cfg.num_hidden_layers, cfg.hidden_size, b.real_tokens, attended_squares(b),
                             params[1], b.target_tokens)
-    torch.cuda.synchronize()
+    sync(device)
     dt = time.perf_counter() - t0
-    return {"tok_s": tokens / dt, "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+    peak_gb = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
+    return {"tok_s": tokens / dt, "peak_gb": peak_gb,
             "mfu": (flops / dt) / peak if peak else float("nan"), "warm_s": warm}
 
 
-SHAPES = {  # Qwen2.5-0.5B and -1.5B shapes, random weights
+SHAPES = {  # Qwen2.5-0.5B and -1.5B shapes, random weights; tiny: the CPU miniature
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
+                 num_key_value_heads=2, vocab_size=151936),
     "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
+                 num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000),
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--shapes", default="0.5B,1.5B")
     ap.add_argument("--compile", default="false,true")
-    args = ap.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA device"
-    device = torch.device("cuda")
+    ap.add_argument("--device", default="cuda", help="cpu: the script in miniature (--shapes tiny), no figures")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    assert device.type != "cuda" or torch.cuda.is_available(), "needs a CUDA device"
     peak = device_peak_flops(device, None)
     backend = choose_backend(device)
-    print(f"{torch.cuda.get_device_name()} | bf16 autocast, fused AdamW, chunked loss, packed attention {backend}")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name} | bf16 autocast, fused AdamW, chunked loss, packed attention {backend}")
     print("| model | tokens/micro-batch | batches | compile | real tok/s | peak GB | MFU | first 2 steps s |")
     print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for shape in args.shapes.split(","):
-        cfg = tf.Qwen2Config(**SHAPES[shape], vocab_size=151936, max_position_embeddings=32768,
-                             tie_word_embeddings=True)
+        cfg = tf.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, tie_word_embeddings=True)
         data = synthetic(6000, cfg.vocab_size)
         plan = bfd(data.lengths, 4096)
         for comp in args.compile.split(","):
@@ -112,7 +125,8 @@ def main() -> None:
                 print(f"| {shape} | {per * 4096} | padded | false | {r['tok_s']:,.0f} | {r['peak_gb']:.1f} | "
                       f"{r['mfu']:.1%} | {r['warm_s']:.1f} |", flush=True)
             del model
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
