@@ -62,7 +62,7 @@ def test_resume_is_exact(tmp_path, tiny_run_assets, monkeypatch):
 
 def test_crash_during_checkpoint_write_keeps_the_last_good_one(tmp_path, tiny_run_assets, monkeypatch):
     cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=4", "checkpoint.save_every=2")
-    real_save = ckpt.save_file
+    real_save = ckpt.write_safetensors
     calls = {"n": 0}
 
     def flaky(tensors, path):
@@ -71,7 +71,7 @@ def test_crash_during_checkpoint_write_keeps_the_last_good_one(tmp_path, tiny_ru
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(tensors, path)
 
-    monkeypatch.setattr(ckpt, "save_file", flaky)
+    monkeypatch.setattr(ckpt, "write_safetensors", flaky)
     with pytest.raises(LeanSFTError, match=r"cannot write checkpoint step-4: the disk is full \(about .* needed, "
                        r".* free\); kept: step-2 \(intact\)"):
         train(cfg)
@@ -81,18 +81,17 @@ def test_crash_during_checkpoint_write_keeps_the_last_good_one(tmp_path, tiny_ru
     assert not list(folder.glob(".tmp-*"))
     state = json.loads((good[0] / "state.json").read_text())
     assert state["step"] == 2
-    monkeypatch.setattr(ckpt, "save_file", real_save)
+    monkeypatch.setattr(ckpt, "write_safetensors", real_save)
     train(cfg, resume="auto")  # and it resumes from it
     assert sorted(losses(Path(cfg.output_dir))) == [1, 2, 3, 4]
 
 
-def test_a_checkpoint_copies_no_cpu_state_but_a_tied_weight(tmp_path):
-    """Writing a checkpoint of a CPU run copies neither the weights nor the Adam state (copies of both lifted the
-    run's peak memory over training's: 9.9 GB of tensors against 8.0 for a 0.5B model); only a tied weight is
-    copied (safetensors refuses two names on one storage), and the files read back as the state they were
-    written from."""
+def test_a_checkpoint_writes_the_state_from_where_it_lives(tmp_path):
+    """Writing a checkpoint of a CPU run copies neither the weights (tied ones included) nor the Adam state
+    (copies of both lifted the run's peak memory over training's: 9.9 GB of tensors against 8.0 for a 0.5B
+    model), and the files read back as the state they were written from."""
     from helpers import tiny_model
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     model = tiny_model("qwen2").train()  # tied input and output embeddings
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -105,10 +104,9 @@ def test_a_checkpoint_copies_no_cpu_state_but_a_tied_weight(tmp_path):
     where = lambda ts: {t.untyped_storage().data_ptr() for t in ts}  # noqa: E731
     live_adam = where(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
     assert where(tensors.values()) == live_adam  # written from where it lives
-    copied = where(weights.values()) - where(model.parameters())
-    assert len(copied) == 1 and len(weights) == len(model.state_dict())  # the tied weight's second name alone
-    save_file(weights, tmp_path / "model.safetensors")
-    save_file(tensors, tmp_path / "optimizer.safetensors")
+    assert where(weights.values()) == where(model.parameters()) and len(weights) == len(model.state_dict())
+    ckpt.write_safetensors(weights, tmp_path / "model.safetensors")
+    ckpt.write_safetensors(tensors, tmp_path / "optimizer.safetensors")
     back = load_file(tmp_path / "model.safetensors")
     assert back.keys() == model.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
@@ -119,9 +117,40 @@ def test_a_checkpoint_copies_no_cpu_state_but_a_tied_weight(tmp_path):
                                            for k in ("exp_avg", "exp_avg_sq"))
 
 
-def test_a_resume_reads_the_optimizer_state_a_tensor_at_a_time(tmp_path, monkeypatch):
-    """Resuming copies the checkpoint's Adam state into the optimizer's own tensors one at a time: read whole
-    beside the state it replaced, a CPU run's resume needed 1.8x its training's memory (0.5B: 14.4 GB, 8.0)."""
+def test_safetensors_are_written_a_tensor_at_a_time_in_safetensors_own_format(tmp_path):
+    """Every dtype a checkpoint holds, scalars, empty, strided and shared tensors read back through safetensors
+    itself; and a tensor that must be copied to be written (as a GPU tensor is brought to the host) is copied one
+    at a time: safetensors' save_file turned them all into host bytes first (a 7B full fine-tune's Adam state
+    on the GPU: 56 GB of host memory at once)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from leansft.core.memtrack import TensorMemoryTracker
+
+    base = torch.randn(6, 8)
+    tensors = {"f32": base, "tied": base, "bf16": base.bfloat16(), "f16": base.half(), "step": torch.tensor(3.0),
+               "i64": torch.arange(5), "i32": torch.arange(3, dtype=torch.int32), "mask": base > 0,
+               "u8": torch.arange(7, dtype=torch.uint8), "empty": torch.zeros(0, 4), "strided": base.t()}
+    ckpt.write_safetensors(tensors, tmp_path / "a.safetensors")
+    back = load_file(tmp_path / "a.safetensors")
+    assert back.keys() == tensors.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
+    with safe_open(tmp_path / "a.safetensors", "pt") as f:
+        assert torch.equal(f.get_slice("f32")[2:4], base[2:4])
+
+    n, bases = 8, [torch.randn(512, 256) for _ in range(8)]
+    with TensorMemoryTracker(exclude=bases) as tracker:
+        ckpt.write_safetensors({f"t{i}": b.t() for i, b in enumerate(bases)}, tmp_path / "b.safetensors")
+    one = bases[0].numel() * 4
+    assert one <= tracker.peak < 2 * one < n * one
+    back = load_file(tmp_path / "b.safetensors")
+    assert all(torch.equal(back[f"t{i}"], b.t()) for i, b in enumerate(bases))
+
+
+def test_a_resume_reads_weights_and_optimizer_state_a_tensor_at_a_time(tmp_path, monkeypatch):
+    """Resuming copies the checkpoint's weights and Adam state into the model's and the optimizer's own tensors
+    one at a time: the Adam state read whole beside the state it replaced took a CPU run's resume to 1.8x its
+    training's memory (0.5B: 14.4 GB, 8.0), and whole files held a GPU run's state in host memory at once."""
     from helpers import tiny_model
 
     def trained(steps: int):
@@ -143,10 +172,23 @@ def test_a_resume_reads_the_optimizer_state_a_tensor_at_a_time(tmp_path, monkeyp
     real = ckpt.load_file
     monkeypatch.setattr(ckpt, "load_file", lambda f, *a, **k: read_whole.append(Path(f).name) or real(f, *a, **k))
     ckpt.load_checkpoint(path, fresh, fresh_opt, fresh_sched)
-    assert "optimizer.safetensors" not in read_whole and "model.safetensors" in read_whole
+    assert read_whole == ["rng.safetensors"]
     assert [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in opt.param_groups]
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(p, q) and all(torch.equal(opt.state[p][k], fresh_opt.state[q][k]) for k in opt.state[p])
+
+
+def test_checkpoint_weights_of_another_model_are_refused_by_name_or_shape(tmp_path):
+    from helpers import tiny_model
+
+    model = tiny_model("qwen2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, sched, {}, {})
+    with pytest.raises(LeanSFTError, match=r"checkpoint weights do not match the model \(e.g. '.*bias'\)"):
+        ckpt.load_weights(path, tiny_model("llama"))  # no q/k/v biases
+    with pytest.raises(LeanSFTError, match=r"weight '.*mlp.*' has shape \(\d+, \d+\) in the checkpoint and"):
+        ckpt.load_weights(path, tiny_model("qwen2", intermediate_size=48))
 
 
 def test_lora_saves_adapters_only_and_merges_on_export(tmp_path, tiny_run_assets):

@@ -31,14 +31,15 @@ import logging
 import os
 import random
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -62,33 +63,43 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+_TRAINED = StateDictOptions(ignore_frozen_params=True)
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def _for_safetensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host tensors ``save_file`` takes, copied only where it must: a tensor on the GPU (to the host), or one
-    whose storage another tensor shares (tied weights) or holds more than it. The rest are written from where
-    they live (the write is synchronous): a copy of every tensor added the weights and the Adam state again (three
-    times the weights) to a CPU run's memory at each checkpoint, over the peak of training."""
-    out, seen = {}, set()
-    for k, v in tensors.items():
-        v = v.detach().contiguous().cpu()
-        storage = v.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() != v.numel() * v.element_size():
-            v = v.clone()
-        seen.add(v.untyped_storage().data_ptr())
-        out[k] = v
-    return out
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``tensors`` in safetensors' format, each brought to the host and written in turn.
+
+    safetensors' ``save_file`` first turns every tensor into host bytes, so a GPU run's checkpoint held all its
+    weights, then all its Adam state, in host memory at once (the Adam state of a 7B full fine-tune: 56 GB), and
+    it refuses two names on one storage (tied weights), which cost a copy. Here the host holds one tensor at a
+    time, and a CPU tensor is written from where it lives."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format aligns the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for t in tensors.values():
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _model_state(root) -> dict[str, torch.Tensor]:
-    """Trainable weights by name (the LoRA adapters alone for LoRA); gathered from shards under FSDP."""
-    return _for_safetensors(get_model_state_dict(root, options=_FULL))
+    """Trainable weights by name (the LoRA adapters alone for LoRA), the model's own tensors (not copies)."""
+    return get_model_state_dict(root, options=_TRAINED)
 
 
 def _optimizer_state(root, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Optimizer state keyed by parameter name: ("name/state": tensor, {param_groups, scalars})."""
-    sd = get_optimizer_state_dict(root, optimizer, options=_FULL)
+    """Optimizer state keyed by parameter name: ("name/state": tensor, {param_groups, scalars}); the tensors are
+    the optimizer's own (not copies)."""
+    sd = get_optimizer_state_dict(root, optimizer, options=_TRAINED)
     tensors, scalars = {}, {}
     for name, st in sd["state"].items():
         for k, v in st.items():
@@ -96,7 +107,7 @@ def _optimizer_state(root, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
                 tensors[f"{name}/{k}"] = v
             else:
                 scalars[f"{name}/{k}"] = v
-    return _for_safetensors(tensors), {"param_groups": sd["param_groups"], "scalars": scalars}
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
 def _optimizer_dict(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
@@ -155,11 +166,11 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
         if rank == 0:
             opt_meta = None
             if not sharded:
-                save_file(_model_state(root), tmp / "model.safetensors")
+                write_safetensors(_model_state(root), tmp / "model.safetensors")
                 opt_tensors, opt_meta = _optimizer_state(root, optimizer)
-                save_file(opt_tensors, tmp / "optimizer.safetensors")
+                write_safetensors(opt_tensors, tmp / "optimizer.safetensors")
             rng_tensors, rng_meta = _rng_state()
-            save_file(rng_tensors, tmp / "rng.safetensors")
+            write_safetensors(rng_tensors, tmp / "rng.safetensors")
             full_state = {**state, "step": step, "scheduler": scheduler.state_dict(), "optimizer": opt_meta,
                           "rng": rng_meta, "sharded": sharded, "world_size": parallel.world_size()}
             (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
@@ -169,10 +180,10 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(folder)
-    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as "... (os error 28)"
+    except OSError as err:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        full = getattr(err, "errno", None) == errno.ENOSPC or "os error 28" in str(err)
+        full = err.errno == errno.ENOSPC
         why = (f"the disk is full (about {_gb(_checkpoint_bytes(root))} needed, {_gb(_free_bytes(folder))} free)"
                if full else f"{type(err).__name__}: {err}")
         kept = ", ".join(p.name for p in list_checkpoints(folder)) or "none"
@@ -276,10 +287,7 @@ def load_checkpoint(path: Path, root, optimizer, scheduler) -> dict:
             if meta is None or any(isinstance(p, int) for g in meta["param_groups"] for p in g["params"]):
                 raise LeanSFTError("checkpoint written by an older leansft (optimizer state by index); it cannot "
                                    "be resumed", file=str(path))
-            weights = load_file(path / "model.safetensors")
-            _check_names(root, weights, path)
-            set_model_state_dict(root, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-            del weights  # copied into the model; not held beside the optimizer's state
+            _load_model(root, path / "model.safetensors")
             _load_optimizer(root, optimizer, path / "optimizer.safetensors", meta)
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(rng, state["rng"])
@@ -331,17 +339,29 @@ def load_weights(path: Path, root) -> dict:
         dcp.load(both, checkpoint_id=str(path / "dcp"))
         set_model_state_dict(root, both["model"], options=StateDictOptions(strict=False))
     else:
-        weights = load_file(path / "model.safetensors")
-        _check_names(root, weights, path)
-        set_model_state_dict(root, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        _load_model(root, path / "model.safetensors")
     return state
 
 
-def _check_names(root, weights: dict[str, torch.Tensor], path: Path) -> None:
-    expected = set(get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True)))
-    unknown = sorted(set(weights) - expected)
-    if unknown:
-        raise LeanSFTError(f"checkpoint weights do not match the model (e.g. '{unknown[0]}')", file=str(path))
+def _load_model(root, file: Path) -> None:
+    """The weights of a safetensors checkpoint, read one tensor at a time into the model's own tensors (read
+    whole, a GPU run's resume held all its weights in host memory at once). Sharded (FSDP) parameters take
+    torch.distributed.checkpoint's path, which places each shard."""
+    live = get_model_state_dict(root, options=_TRAINED)  # the model's tensors by name, not copies
+    with safe_open(file, "pt") as f:
+        unknown = sorted(set(f.keys()) - set(live))
+        if unknown:
+            raise LeanSFTError(f"checkpoint weights do not match the model (e.g. '{unknown[0]}')", file=str(file))
+        if any(type(live[name]) is not torch.Tensor for name in f.keys()):
+            set_model_state_dict(root, load_file(file), options=StateDictOptions(full_state_dict=True, strict=False))
+            return
+        with torch.no_grad():
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if t.shape != live[name].shape:
+                    raise LeanSFTError(f"weight '{name}' has shape {tuple(t.shape)} in the checkpoint and "
+                                       f"{tuple(live[name].shape)} in this model", file=str(file))
+                live[name].copy_(t)
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
