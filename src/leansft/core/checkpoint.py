@@ -313,12 +313,7 @@ def _load_optimizer(root, optimizer, file: Path, meta: dict) -> None:
                   and saved_groups == [g["params"] for g in live["param_groups"]]
                   and all(type(v) is torch.Tensor and v.data_ptr() in held for v in own.values()))
         if direct:  # ``own`` are the optimizer's tensors themselves (checked above), so a copy restores them
-            for key, v in own.items():
-                t = f.get_tensor(key)
-                if t.shape != v.shape:
-                    raise LeanSFTError(f"optimizer state '{key}' has shape {tuple(t.shape)} in the checkpoint and "
-                                       f"{tuple(v.shape)} in this run", file=str(file))
-                v.copy_(t)
+            _copy_in(f, own, "optimizer state", file)
     if not direct:
         set_optimizer_state_dict(root, optimizer, _optimizer_dict(load_file(file), meta),
                                  options=StateDictOptions(full_state_dict=True))
@@ -355,13 +350,18 @@ def _load_model(root, file: Path) -> None:
         if any(type(live[name]) is not torch.Tensor for name in f.keys()):
             set_model_state_dict(root, load_file(file), options=StateDictOptions(full_state_dict=True, strict=False))
             return
-        with torch.no_grad():
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if t.shape != live[name].shape:
-                    raise LeanSFTError(f"weight '{name}' has shape {tuple(t.shape)} in the checkpoint and "
-                                       f"{tuple(live[name].shape)} in this model", file=str(file))
-                live[name].copy_(t)
+        _copy_in(f, {name: live[name] for name in f.keys()}, "weight", file)
+
+
+@torch.no_grad()
+def _copy_in(f, targets: dict[str, torch.Tensor], what: str, file: Path) -> None:
+    """Each tensor of the open safetensors file ``f`` into its target, one read at a time (shapes checked first)."""
+    for name, target in targets.items():
+        shape = tuple(f.get_slice(name).get_shape())
+        if shape != tuple(target.shape):
+            raise LeanSFTError(f"{what} '{name}' has shape {shape} in the checkpoint and {tuple(target.shape)} in "
+                               f"this run", file=str(file))
+        target.copy_(f.get_tensor(name))
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
