@@ -43,6 +43,7 @@ device image has none), leansft with what ``attention: auto`` picks there; peak 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -228,11 +229,17 @@ def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
 
 
 def run_trl(s: dict, measure_memory: bool) -> dict:
+    from leansft.core.memtrack import TensorMemoryTracker
+
+    tracker = TensorMemoryTracker() if measure_memory else contextlib.nullcontext()
+    with tracker:  # from the model's loading on, as leansft's side counts from inside train()
+        return _train_trl(s, measure_memory, tracker)
+
+
+def _train_trl(s: dict, measure_memory: bool, tracker) -> dict:
     import datasets
     import transformers as tf
     from trl import SFTConfig, SFTTrainer
-
-    from leansft.core.memtrack import TensorMemoryTracker
 
     tok = tf.AutoTokenizer.from_pretrained(s["model"])
     model = tf.AutoModelForCausalLM.from_pretrained(s["model"], attn_implementation="sdpa", dtype="float32")
@@ -265,9 +272,8 @@ def run_trl(s: dict, measure_memory: bool) -> dict:
 
     trainer.data_collator = counting
     if measure_memory:
-        with TensorMemoryTracker() as tr:
-            trainer.train()
-        return {"peak_bytes": tr.peak}
+        trainer.train()
+        return {"peak_bytes": tracker.peak}
     t0 = time.perf_counter()
     trainer.train()
     dt = time.perf_counter() - t0

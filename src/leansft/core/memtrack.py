@@ -1,10 +1,11 @@
 """Peak memory of live torch tensors on the CPU, where torch keeps no allocator statistics.
 
-A dispatch mode sees every tensor an op creates and keeps a weak reference to its storage; when the
+A dispatch mode sees every tensor an op takes or creates and keeps a weak reference to its storage; when the
 storage dies its bytes come off the count. Views share storage and are counted once. A storage that existed
-before the tracker started is counted the first time an op shows it (``linear`` views every weight it
-multiplies), which is how weights loaded from disk, which no op creates, come into a run's peak; ``exclude``
-leaves out the storages of given tensors (a model's own weights, for the memory of a step above them).
+before the tracker started is counted the first time an op takes or shows it, which is how weights loaded from
+disk, which no op creates, come into a run's peak: counting only what ops create and show, a weight that bf16
+autocast only casts, or that an embedding only looks up, was never counted; ``exclude`` leaves out the storages
+of given tensors (a model's own weights, for the memory of a step above them).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.current -= self._live.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for t in tree_flatten((args, kwargs, out))[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 self._count(t)
         return out
