@@ -4,8 +4,8 @@ Both sides train with packing (bfd, padding-free rows of --max-length tokens, on
 loss on the answers only, AdamW at a constant learning rate, gradient clipping 1.0, no gradient
 checkpointing, in the same precision (TRL's own defaults, gradient checkpointing on and bf16 on, are
 switched to match leansft's; ``--precision bf16`` sets TRL's ``bf16=True`` and leansft's bf16 autocast).
-Each side runs in its own subprocess: a short pass under the live-tensor memory tracker (peak bytes),
-then the timed run. Sides alternate (TRL, leansft, TRL, leansft, ...) for ``--pairs`` pairs, so a busy
+Each side runs in its own subprocess: a short pass under the live-tensor memory tracker (peak bytes, from
+the model's loading on), then the timed run. Sides alternate (TRL, leansft, TRL, leansft, ...) for ``--pairs`` pairs, so a busy
 machine slows both alike; before each pair and after the last a child measures the CPU's fp32 matmul rate
 (the ``host:`` line), so a reader sees whether the host's speed moved during the comparison. Real tokens/s:
 TRL's over ``trainer.train()``, leansft's over its training steps (model loading, data preparation, the
