@@ -340,8 +340,8 @@ def load_weights(path: Path, root) -> dict:
 
 def _load_model(root, file: Path) -> None:
     """The weights of a safetensors checkpoint, read one tensor at a time into the model's own tensors (read
-    whole, a GPU run's resume held all its weights in host memory at once). Sharded (FSDP) parameters take
-    torch.distributed.checkpoint's path, which places each shard."""
+    whole, a GPU run's resume held all its weights in host memory at once). Into sharded (FSDP) parameters the
+    file goes whole through ``set_model_state_dict``, which places each shard."""
     live = get_model_state_dict(root, options=_TRAINED)  # the model's tensors by name, not copies
     with safe_open(file, "pt") as f:
         unknown = sorted(set(f.keys()) - set(live))
