@@ -5,8 +5,8 @@ loss on the answers only, AdamW at a constant learning rate, gradient clipping 1
 checkpointing, in the same precision (TRL's own defaults, gradient checkpointing on and bf16 on, are
 switched to match leansft's; ``--precision bf16`` sets TRL's ``bf16=True`` and leansft's bf16 autocast).
 Each side runs in its own subprocess: a short pass under the live-tensor memory tracker (peak bytes, from
-the model's loading on), then the timed run. Sides alternate (TRL, leansft, TRL, leansft, ...) for ``--pairs`` pairs, so a busy
-machine slows both alike; before each pair and after the last a child measures the CPU's fp32 matmul rate
+the model's loading on), then the timed run. Sides alternate (TRL, leansft, TRL, leansft, ...) for
+``--pairs`` pairs, so a busy machine slows both alike; before each pair and after the last a child measures the CPU's fp32 matmul rate
 (the ``host:`` line), so a reader sees whether the host's speed moved during the comparison. Real tokens/s:
 TRL's over ``trainer.train()``, leansft's over its training steps (model loading, data preparation, the
 pre-flight verification and the export are outside both).
@@ -231,15 +231,18 @@ def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
 def run_trl(s: dict, measure_memory: bool) -> dict:
     from leansft.core.memtrack import TensorMemoryTracker
 
-    tracker = TensorMemoryTracker() if measure_memory else contextlib.nullcontext()
-    with tracker:  # from the model's loading on, as leansft's side counts from inside train()
-        return _train_trl(s, measure_memory, tracker)
+    tracker = TensorMemoryTracker() if measure_memory else None
+    with tracker or contextlib.nullcontext():  # from the model's loading on, as leansft's side counts in train()
+        return _train_trl(s, tracker)
 
 
-def _train_trl(s: dict, measure_memory: bool, tracker) -> dict:
+def _train_trl(s: dict, tracker) -> dict:
+    """TRL's run: two steps for the memory pass (``tracker``), else the timed run and its figures."""
     import datasets
     import transformers as tf
     from trl import SFTConfig, SFTTrainer
+
+    measure_memory = tracker is not None
 
     tok = tf.AutoTokenizer.from_pretrained(s["model"])
     model = tf.AutoModelForCausalLM.from_pretrained(s["model"], attn_implementation="sdpa", dtype="float32")
