@@ -133,3 +133,29 @@ def test_eval_and_generate_commands_run_on_the_gpu(tmp_path, tiny_run_assets, mo
     assert main(["generate", tiny_run_assets["model"], "--prompt", "Hi", "--max-new-tokens", "3",
                  "--temperature", "0"]) == 0
     assert seen == ["cuda", "cuda"] and "perplexity" in capsys.readouterr().out
+
+
+def test_a_model_is_read_straight_onto_the_gpu(tmp_path):
+    """A GPU run's model never lies whole in host memory: read onto the device a tensor at a time."""
+    import os
+    import subprocess
+    import sys
+
+    from leansft.core.models import load_model
+
+    write = ("import sys, torch, transformers as tf\n"  # in another process: this one's host memory stays as it was
+             "cfg = tf.Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,"
+             " num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True)\n"
+             "tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", write, str(tmp_path / "m")], check=True)
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    torch.zeros(1, device="cuda")  # the CUDA context's own host memory first
+    before = rss()
+    model = load_model(str(tmp_path / "m"), device=torch.device("cuda"))
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())  # ~540 MB
+    assert all(p.is_cuda and p.dtype == torch.float32 for p in model.parameters())
+    assert rss() - before < fp32_bytes / 4

@@ -191,6 +191,25 @@ def test_checkpoint_weights_of_another_model_are_refused_by_name_or_shape(tmp_pa
         ckpt.load_weights(path, tiny_model("qwen2", intermediate_size=48))
 
 
+def test_a_model_read_onto_its_device_is_the_model_read_to_the_host(tmp_path):
+    """``load_model(device=...)`` (how a GPU run loads: straight onto the device, never whole in host memory) gives
+    the same fp32 weights from a bf16 checkpoint, the tied head still tied, and no dispatch hooks on the model."""
+    from helpers import tiny_model
+
+    from leansft.core.models import load_model
+
+    tiny_model("qwen2").to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    host = load_model(str(tmp_path / "m"))
+    placed = load_model(str(tmp_path / "m"), device=torch.device("cpu"))
+    assert placed.get_output_embeddings().weight is placed.get_input_embeddings().weight
+    assert not any(hasattr(m, "_hf_hook") for m in placed.modules())
+    a, b = host.state_dict(), placed.state_dict()
+    assert a.keys() == b.keys() and all(b[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in a)
+    a, b = dict(host.named_buffers()), dict(placed.named_buffers())  # the rotary frequencies too
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    placed.train().to("cpu")
+
+
 def test_lora_saves_adapters_only_and_merges_on_export(tmp_path, tiny_run_assets):
     cfg = run_config(tmp_path, tiny_run_assets, "training.method=lora", "training.lora.r=4",
                      "training.max_steps=2", "checkpoint.export=true", "training.learning_rate=1e-2")

@@ -84,14 +84,19 @@ def resolve_model_path(spec: str, cache_dir: Path) -> str:
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None,
-               trust_remote_code: bool = False):
-    """A causal LM in ``dtype``; any failure becomes a ``ModelError`` naming ``spec``."""
+               trust_remote_code: bool = False, device: torch.device | None = None):
+    """A causal LM in ``dtype``; any failure becomes a ``ModelError`` naming ``spec``.
+
+    ``device``: the weights are read straight onto it, a tensor at a time (transformers' ``device_map``), instead
+    of the whole model being built in host memory first and moved there (a 7B model in fp32: 28 GB of host
+    memory, on every data-parallel rank at once)."""
 
     spec = resolve_model_path(spec, Path(cache_dir or default_cache_dir()))
     path = Path(spec)
+    place = {"device_map": {"": str(device)}} if device is not None else {}
     try:
         return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=path.exists(),
-                                                    trust_remote_code=trust_remote_code)
+                                                    trust_remote_code=trust_remote_code, **place)
     except Exception as err:
         where = "local model" if path.exists() else "model (no local path of that name; tried the Hub)"
         raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec) from None

@@ -91,7 +91,9 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=t.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
-        model = load_model(model_path or cfg.model, torch.float32, trust_remote_code=cfg.trust_remote_code)
+        # read straight onto an accelerator; on the CPU, loaded where it trains anyway
+        model = load_model(model_path or cfg.model, torch.float32, trust_remote_code=cfg.trust_remote_code,
+                           device=device if device.type != "cpu" else None)
         if t.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if t.gradient_checkpointing:
