@@ -1,5 +1,5 @@
 """GPU-only checks (skipped without CUDA): bf16 isolation with the backend really chosen, chunked loss
-on the device against full logits, and a few bf16 training steps."""
+on the device against full logits, a few bf16 training steps, and the model read straight onto the device."""
 
 from __future__ import annotations
 
@@ -144,8 +144,8 @@ def test_a_model_is_read_straight_onto_the_gpu(tmp_path):
     from leansft.core.models import load_model
 
     write = ("import sys, torch, transformers as tf\n"  # in another process: this one's host memory stays as it was
-             "cfg = tf.Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,"
-             " num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True)\n"
+             "cfg = tf.Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,"
+             " num_attention_heads=16, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True)\n"
              "tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[1])\n")
     subprocess.run([sys.executable, "-c", write, str(tmp_path / "m")], check=True)
 
