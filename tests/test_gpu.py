@@ -144,7 +144,7 @@ def test_a_model_is_read_straight_onto_the_gpu(tmp_path):
     from leansft.core.models import load_model
 
     write = ("import sys, torch, transformers as tf\n"  # in another process: this one's host memory stays as it was
-             "cfg = tf.Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,"
+             "cfg = tf.Qwen2Config(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,"
              " num_attention_heads=16, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True)\n"
              "tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[1])\n")
     subprocess.run([sys.executable, "-c", write, str(tmp_path / "m")], check=True)
@@ -156,6 +156,7 @@ def test_a_model_is_read_straight_onto_the_gpu(tmp_path):
     torch.zeros(1, device="cuda")  # the CUDA context's own host memory first
     before = rss()
     model = load_model(str(tmp_path / "m"), device=torch.device("cuda"))
-    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())  # ~540 MB
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())  # ~1.7 GB: fixed costs (the driver's staging
+    # buffers, imports) stay well under a quarter of it
     assert all(p.is_cuda and p.dtype == torch.float32 for p in model.parameters())
     assert rss() - before < fp32_bytes / 4
