@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -121,18 +122,22 @@ def apply_lora(model, lora_cfg):
 
 
 def merged_plain_model(trained, spec: str, lora_cfg, trust_remote_code: bool = False,
-                       base: dict[str, torch.Tensor] | None = None):
-    """A plain fp32 model: ``spec`` loaded afresh, ``base`` (name -> weight) put in place of its own weights, and
-    the adapters of ``trained`` (a PEFT model) merged in by PEFT's own merge, so DoRA and rsLoRA merge as they
-    trained. For a base the run held otherwise than as loaded: 4-bit (QLoRA) or bf16 (``core/bf16_base.py``)."""
+                       base: Iterable[tuple[str, torch.Tensor]] = ()):
+    """A plain fp32 model: ``spec`` loaded afresh, ``base`` ((name, weight) pairs, copied in one at a time, from
+    any device) put in place of its own weights, and the adapters of ``trained`` (a PEFT model) merged in by PEFT's
+    own merge, so DoRA and rsLoRA merge as they trained. For a base the run held otherwise than as loaded: 4-bit
+    (QLoRA, ``quant.dequantised_base``) or bf16 (``core/bf16_base.py``)."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     plain = load_model(spec, torch.float32, trust_remote_code=trust_remote_code)
-    if base:
-        missing = [k for k in base if k not in plain.state_dict()]
-        if missing:
-            raise ModelError(f"cannot map the trained base's {missing[0]} onto the plain model", file=spec)
-        plain.load_state_dict(base, strict=False)
+    own = plain.state_dict()
+    with torch.no_grad():
+        for name, weight in base:
+            if name not in own or own[name].shape != weight.shape:
+                raise ModelError(f"cannot map the trained base's {name} {tuple(weight.shape)} onto the plain model",
+                                 file=spec)
+            own[name].copy_(weight)
+            del weight  # before the next is made
     plain = apply_lora(plain, lora_cfg)
     set_peft_model_state_dict(plain, {k: v.float().cpu() for k, v in get_peft_model_state_dict(trained).items()})
     return plain.merge_and_unload().eval()
