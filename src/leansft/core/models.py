@@ -126,7 +126,8 @@ def merged_plain_model(trained, spec: str, lora_cfg, trust_remote_code: bool = F
     """A plain fp32 model: ``spec`` loaded afresh, ``base`` ((name, weight) pairs, copied in one at a time, from
     any device) put in place of its own weights, and the adapters of ``trained`` (a PEFT model) merged in by PEFT's
     own merge, so DoRA and rsLoRA merge as they trained. For a base the run held otherwise than as loaded: 4-bit
-    (QLoRA, ``quant.dequantised_base``) or bf16 (``core/bf16_base.py``)."""
+    (QLoRA: ``base`` is ``quant.dequantised_base``) or bf16 (``core/bf16_base.py``: no ``base``, the adapters merge
+    into the fp32 weights as loaded)."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     plain = load_model(spec, torch.float32, trust_remote_code=trust_remote_code)
