@@ -144,3 +144,47 @@ def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, si
         assert got[k] == pytest.approx(ref[k], rel=1e-6)
     a, b = weights(single), weights(run)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def _gather_on_rank(rank: int, init: str, out: str) -> None:
+    """One of two ranks: FSDP2 over a small model with wide MLPs, then the export's gather, its live tensors counted."""
+    import torch
+    import torch.distributed as tdist
+    from helpers import tiny_model
+    from torch.distributed.tensor import DTensor
+
+    from leansft.core import parallel
+    from leansft.core.export import gather_full_weights
+    from leansft.core.forward import LossModule
+    from leansft.core.memtrack import TensorMemoryTracker
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        trained = tiny_model("qwen2", seed=1, intermediate_size=1024)  # no tensor above 1/7 of the model
+        expected = {k: v.clone() for k, v in trained.state_dict().items()}
+        root = parallel.wrap(LossModule(trained), "fsdp", torch.device("cpu"))
+        plain = tiny_model("qwen2", seed=2, intermediate_size=1024) if rank == 0 else None
+        held = [t.to_local() if isinstance(t, DTensor) else t for t in root.state_dict().values()]
+        held += list(plain.state_dict().values()) if plain is not None else []
+        with TensorMemoryTracker(exclude=held) as tracker:
+            gather_full_weights(root, plain)
+        if rank == 0:
+            sizes = [p.numel() * p.element_size() for p in plain.parameters()]
+            Path(out).write_text(json.dumps({
+                "peak": tracker.peak, "model": sum(sizes), "largest": max(sizes),
+                "equal": all(torch.equal(v, expected[k]) for k, v in plain.state_dict().items())}))
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_an_fsdp_export_holds_the_model_once_on_rank_0(tmp_path):
+    """Rank 0 receives each gathered weight into its plain copy before the next is gathered, so beside that copy
+    it holds about one tensor, not a gathered state dict the size of the model (7B in fp32: 28 GB more)."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.json"
+    mp.spawn(_gather_on_rank, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=2)
+    seen = json.loads(out.read_text())
+    assert seen["equal"]
+    assert seen["peak"] <= 2 * seen["largest"] < seen["model"] / 3, seen

@@ -380,6 +380,33 @@ def test_a_gguf_tokenizer_splits_text_as_the_pre_tokenizer_the_file_names(tmp_pa
         load_tokenizer(str(path))
 
 
+def test_an_fsdp_export_gathers_the_trained_weights_into_the_plain_model():
+    """An FSDP run's rank 0 receives the trained weights into its plain copy of the model; names or shapes that
+    do not match are a ModelError raised after the last gather (so no rank waits in one). FSDP2 over a one-rank
+    group in this process; the memory this saves is checked on two ranks (test_distributed.py)."""
+    import torch
+    import torch.distributed as tdist
+    from helpers import tiny_model
+
+    from leansft.core import parallel
+    from leansft.core.errors import ModelError
+    from leansft.core.export import gather_full_weights
+    from leansft.core.forward import LossModule
+
+    trained, plain, other = tiny_model("qwen2", seed=1), tiny_model("qwen2", seed=2), tiny_model("llama", seed=3)
+    expected = {k: v.clone() for k, v in trained.state_dict().items()}
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        root = parallel.wrap(LossModule(trained), "fsdp", torch.device("cpu"))
+        gather_full_weights(root, plain)
+        with pytest.raises(ModelError, match="do not match the plain model"):  # Llama has no q/k/v biases
+            gather_full_weights(root, other)
+    finally:
+        tdist.destroy_process_group()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
 def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
     """A LoRA run's checkpoint (not only the end of a run) out as GGUF and as a HF folder, LoRA merged."""
     import torch

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -43,6 +43,11 @@ class TensorMemoryTracker(TorchDispatchMode):
         if t.is_sparse:  # a sparse gradient (``core/tied_embedding.py``): its indices and values hold the memory
             self._count(t._indices())
             self._count(t._values())
+            return
+        if is_traceable_wrapper_subclass(t):  # a DTensor: its local shards hold the memory, as plain tensors
+            for name in t.__tensor_flatten__()[0]:
+                if isinstance(inner := getattr(t, name), torch.Tensor):
+                    self._count(inner)
             return
         storage = t.untyped_storage()
         key, size = storage.data_ptr(), storage.nbytes()

@@ -28,7 +28,7 @@ from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConf
 from leansft.core.data.prepare import PreparedData, prepare_data
 from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import LeanSFTError
-from leansft.core.export import export, full_state_dict
+from leansft.core.export import export, gather_full_weights
 from leansft.core.forward import LossModule
 from leansft.core.grad_clip import clip_gradients
 from leansft.core.loss import normalise
@@ -277,10 +277,8 @@ def export_final(cfg: RunConfig, model, loss_module, sharded: bool, data: Prepar
     """A plain Hugging Face folder at OUTPUT_DIR/final (FSDP: shards gathered into a copy on rank 0)."""
     plain = model
     if sharded:
-        full = full_state_dict(loss_module)  # a collective: every rank
-        if parallel.rank() == 0:
-            plain, _ = build_model(cfg, torch.device("cpu"), True, model_path)
-            plain.load_state_dict(full)
+        plain = build_model(cfg, torch.device("cpu"), True, model_path)[0] if parallel.rank() == 0 else None
+        gather_full_weights(loss_module, plain)  # a collective: every rank
     if parallel.rank() == 0:
         if cfg.training.method == "qlora" and cfg.training.lora.merge_on_export:  # merged against the 4-bit weights
             plain = merged_plain_model(plain, model_path, cfg.training.lora, cfg.trust_remote_code,
