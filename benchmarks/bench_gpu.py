@@ -20,13 +20,13 @@ import numpy as np
 import torch
 import transformers as tf
 
-from leansft.core.attention import choose_backend, use_packed_attention
-from leansft.core.compile import compile_layers
-from leansft.core.collate import collate_padded, collate_rows, micro_batches
+from leansft.core.batching.collate import collate_padded, collate_rows, micro_batches
+from leansft.core.batching.packing import bfd, padded
 from leansft.core.data.dataset import TokenizedDataset
-from leansft.core.flops import attended_squares, device_peak_flops, step_flops, token_flops
-from leansft.core.forward import LossModule
-from leansft.core.packing import bfd, padded
+from leansft.core.metrics.flops import attended_squares, device_peak_flops, step_flops, token_flops
+from leansft.core.model.attention import choose_backend, use_packed_attention
+from leansft.core.model.compile import compile_layers
+from leansft.core.model.forward import LossModule
 from leansft.tools.stats import lognormal_lengths
 
 

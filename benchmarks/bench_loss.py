@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from leansft.core.loss import chunked_loss, full_logits_loss
-from leansft.core.memtrack import TensorMemoryTracker
+from leansft.core.metrics.memtrack import TensorMemoryTracker
+from leansft.core.model.loss import chunked_loss, full_logits_loss
 
 
 def measure(fn, hidden, weight, labels):

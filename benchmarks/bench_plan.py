@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from leansft.core.packing import pack
+from leansft.core.batching.packing import pack
 from leansft.tools.stats import lognormal_lengths
 
 

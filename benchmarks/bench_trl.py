@@ -10,9 +10,9 @@ the model's loading on), then the timed run. Sides alternate (TRL, leansft, TRL,
 (the ``host:`` line), so a reader sees whether the host's speed moved during the comparison. Real tokens/s:
 TRL's over ``trainer.train()``, leansft's over its training steps (model loading, data preparation, the
 pre-flight verification and the export are outside both).
-leansft's side runs under the glibc malloc settings ``leansft train`` gives itself (``tools/allocator.py``)
-and, on AVX-512 CPUs not made by Intel, with MKL's AVX-512 kernels (``core/mkl_kernels.py``); ``--same-malloc``
-and ``--same-mkl`` give TRL's side the same, for the difference each makes alone.
+Both sides run with leansft's defaults: no CPU-only speed-ups. ``--cpu-speedups`` turns leansft's opt-in ones on
+(``cpu.fused_layers``, ``cpu.bf16_head``), ``--malloc`` runs both sides under the glibc malloc settings that
+``cpu.malloc_tunables`` gives ``leansft train`` (``core/cpu/malloc.py``).
 After training each side's model is judged by the plain Hugging Face model: the held-out loss on the
 same held-out conversations (labels: loss on the answers), computed the same way for both.
 
@@ -37,7 +37,7 @@ device image has none), leansft with what ``attention: auto`` picks there; peak 
     .venv/bin/python benchmarks/bench_trl.py --workload smollm2 --method lora --examples 96 --steps 12 --pairs 2
     python3 benchmarks/bench_trl.py --device cuda --workload qwen0.5b --examples 3000 --max-length 16384 \
         --steps 20 --precision bf16
-    [--precision fp32|bf16] [--strategies bfd,sorted,padded] [--same-malloc] [--same-mkl]
+    [--precision fp32|bf16] [--strategies bfd,sorted,padded] [--malloc] [--cpu-speedups]
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from leansft.core.mkl_kernels import load_shim
-from leansft.tools.allocator import TUNABLES
+from leansft.core.cpu.malloc import TUNABLES
 
 WORK = Path("runs/bench_trl")
 WORDS = ("the a model learns to answer every question about data packing attention loss memory tokens rows "
@@ -161,7 +160,7 @@ def setup(n: int, shape: str = "qwen-vocab") -> dict:
 
 def setup_smollm2(n: int) -> dict:
     """The demo's SmolLM2-135M-Instruct, converted once from its GGUF (leansft's cache), on alpaca chats."""
-    from leansft.core.models import resolve_model_path
+    from leansft.core.model.loading import resolve_model_path
     from leansft.core.paths import cache_dir
 
     WORK.mkdir(parents=True, exist_ok=True)
@@ -198,7 +197,7 @@ def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
     import transformers as tf
 
     from leansft.core.config import load_config
-    from leansft.core.memtrack import TensorMemoryTracker
+    from leansft.core.metrics.memtrack import TensorMemoryTracker
     from leansft.recipe.train import train
 
     out = WORK / f"leansft-{strategy}"
@@ -208,7 +207,8 @@ def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
             f"training.learning_rate={s['lr']}", "training.schedule=constant", "training.warmup_steps=0",
             f"training.precision={s['precision']}", f"training.method={s['method']}", "training.epochs=1",
             "checkpoint.keep_last=1", "logging.log_every=1000000",
-            "training.lora.r=16", "training.lora.alpha=32", "training.lora.target_modules=all-linear"]
+            "training.lora.r=16", "training.lora.alpha=32", "training.lora.target_modules=all-linear",
+            *(["cpu.fused_layers=true", "cpu.bf16_head=true"] if s.get("cpu_speedups") else [])]
     shutil.rmtree(out, ignore_errors=True)  # each pass (memory, timed) and each pair starts a fresh run
     if measure_memory:
         with TensorMemoryTracker() as tr:
@@ -229,7 +229,7 @@ def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
 
 
 def run_trl(s: dict, measure_memory: bool) -> dict:
-    from leansft.core.memtrack import TensorMemoryTracker
+    from leansft.core.metrics.memtrack import TensorMemoryTracker
 
     tracker = TensorMemoryTracker() if measure_memory else None
     with tracker or contextlib.nullcontext():  # from the model's loading on, as leansft's side counts in train()
@@ -290,15 +290,12 @@ def _train_trl(s: dict, tracker) -> dict:
 
 def child(kind: str, settings: dict) -> None:
     if kind == "host":  # this CPU's fp32 matmul rate now, MKL's kernels as leansft runs them
-        load_shim()  # before torch is imported, as `leansft train` does
         import torch
-        from profile_step import measured_peak
+        from common import measured_peak
 
         print("RESULT " + json.dumps({"fp32_gflops": round(measured_peak(torch.float32) / 1e9, 1)}))
         return
     side, strategy = (kind.split(":") + [""])[:2]
-    if side == "leansft" or settings.get("same_mkl"):
-        load_shim()  # before torch is imported, as `leansft train` does
     run = (lambda mem: run_leansft(strategy, settings, mem)) if side == "leansft" else (lambda mem: run_trl(settings, mem))
     if settings["device"] == "cuda":  # the GPU's peak over this side's run: training (model, optimizer) and held-out
         import torch
@@ -312,10 +309,9 @@ def child(kind: str, settings: dict) -> None:
 
 
 def run_child(kind: str, settings: dict) -> dict:
-    # leansft's side runs under the malloc settings `leansft train` starts itself with (tools/allocator.py);
-    # TRL's as TRL runs, unless --same-malloc gives it the same.
+    # --malloc: both sides under the malloc settings `cpu.malloc_tunables` gives `leansft train` (core/cpu/malloc.py)
     env = dict(os.environ)
-    if kind.startswith("leansft") or settings.get("same_malloc"):
+    if settings.get("malloc"):
         env["GLIBC_TUNABLES"] = TUNABLES
     proc = subprocess.run([sys.executable, __file__, "--child", kind, "--settings", json.dumps(settings)],
                           capture_output=True, text=True, env=env)
@@ -338,8 +334,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="default: 2e-4 for smollm2, 1e-3 for the random models")
     ap.add_argument("--pairs", type=int, default=1, help="TRL/leansft pairs, run alternately")
     ap.add_argument("--strategies", default="bfd", help="leansft strategies besides bfd, once each: sorted,padded")
-    ap.add_argument("--same-malloc", action="store_true", help="TRL under leansft's malloc settings too")
-    ap.add_argument("--same-mkl", action="store_true", help="TRL with MKL's AVX-512 kernels too (core/mkl_kernels.py)")
+    ap.add_argument("--malloc", action="store_true", help="both sides under the opt-in glibc malloc settings")
+    ap.add_argument("--cpu-speedups", action="store_true", help="leansft with cpu.fused_layers and cpu.bf16_head")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: both sides on the GPU")
     ap.add_argument("--child", default=None)
     ap.add_argument("--settings", default=None)
@@ -351,8 +347,8 @@ def main() -> None:
     smol = args.workload == "smollm2"
     settings = {**SETUPS[args.workload](args.examples), "max_length": args.max_length, "steps": args.steps,
                 "precision": args.precision, "method": args.method or ("lora" if smol else "full"),
-                "lr": args.lr or (2e-4 if smol else 1e-3), "same_malloc": args.same_malloc,
-                "same_mkl": args.same_mkl, "device": args.device}
+                "lr": args.lr or (2e-4 if smol else 1e-3), "malloc": args.malloc,
+                "cpu_speedups": args.cpu_speedups, "device": args.device}
     cpu = args.device == "cpu"
     pairs, peaks = [], []
     for _ in range(args.pairs):
@@ -362,8 +358,8 @@ def main() -> None:
     peaks += [run_child("host", settings)["fp32_gflops"]] if cpu else []
     print(f"\n{args.workload}: {settings['method']}, {args.examples} chats, rows of {args.max_length}, "
           f"{args.steps or 'one epoch of'} steps, {args.device.upper()} {args.precision}, lr {settings['lr']}"
-          f"{', TRL under the same malloc settings' if args.same_malloc else ''}"
-          f"{', TRL with the same MKL kernels' if args.same_mkl else ''}")
+          f"{', both under the malloc settings' if args.malloc else ''}"
+          f"{', leansft with its CPU speed-ups' if args.cpu_speedups else ''}")
     print("| run | real tok/s | peak MB | steps | final loss | held-out loss | wall s |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     rate = lambda r: r["real_tokens"] / r["seconds"]  # noqa: E731
     rows = [(f"TRL #{i + 1}", t) for i, (t, _) in enumerate(pairs)] + [(f"leansft bfd #{i + 1}", o) for i, (_, o) in enumerate(pairs)]

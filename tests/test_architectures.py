@@ -28,10 +28,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from leansft.core.attention import FLEX, VARLEN, decoder_of, plain_attention, use_packed_attention
 from leansft.core.errors import ModelError
-from leansft.core.forward import hidden_states, loss_of
-from leansft.core.verify import (
+from leansft.core.model.attention import FLEX, VARLEN, decoder_of, plain_attention, use_packed_attention
+from leansft.core.model.forward import hidden_states, loss_of
+from leansft.core.model.verify import (
     _packed_batch,
     _padded_batch,
     check_position_table,

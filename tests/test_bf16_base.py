@@ -1,4 +1,4 @@
-"""LoRA's frozen base stored in bf16 under bf16 autocast (``core/bf16_base.py``): the same run bit for bit, a third
+"""LoRA's frozen base stored in bf16 under bf16 autocast (``core/model/bf16_base.py``): the same run bit for bit, a third
 of the memory, refused where the model's forward would change."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from helpers import losses, run_config, tiny_model
 from safetensors.torch import load_file
 
-from leansft.core.bf16_base import frozen_linears, holds_bf16_base, store_base_in_bf16
 from leansft.core.config import LoraConfig
-from leansft.core.models import apply_lora
+from leansft.core.model.bf16_base import frozen_linears, holds_bf16_base, store_base_in_bf16
+from leansft.core.model.loading import apply_lora
 from leansft.recipe.train import train
 
 

@@ -149,18 +149,23 @@ def test_show_mask_html_page(tmp_path, qwen25_path, capsys):
     assert 'id="filter"' in page.read_text()
 
 
-def test_train_reexecutes_once_under_the_malloc_settings(tmp_path):
-    """``leansft train`` (and eval, doctor) restarts itself (same PID, same arguments) with glibc's malloc keeping
-    freed memory; other commands, LEANSFT_MALLOC=0 and a user's own malloc tunables are left alone."""
+def test_malloc_settings_are_opt_in_and_reexecute_once(tmp_path):
+    """By default no command re-executes itself. Asked for (``cpu.malloc_tunables`` in the config or as an override,
+    or LEANSFT_MALLOC=1), ``leansft train`` (and eval, doctor) restarts itself once (same PID, same arguments) with
+    glibc's malloc keeping freed memory; other commands, LEANSFT_MALLOC=0, a visible GPU and a user's own malloc
+    tunables are left alone."""
     import os
 
-    from leansft.tools.allocator import TUNABLES, wanted
+    from leansft.core.cpu.malloc import TUNABLES, wanted
 
     probe = tmp_path / "probe.py"
-    probe.write_text("import os, sys\nfrom leansft.tools.allocator import reexec_with_malloc_settings\n"
+    probe.write_text("import os, sys\nfrom leansft.core.cpu.malloc import reexec_with_malloc_settings\n"
                      "pid = os.environ.get('PROBE_PID', str(os.getpid()))\nos.environ['PROBE_PID'] = pid\n"
                      "reexec_with_malloc_settings(sys.argv[1:])\n"
                      "print(pid == str(os.getpid()), sys.argv[1:], os.environ.get('GLIBC_TUNABLES'))\n")
+    on, off = tmp_path / "on.yaml", tmp_path / "off.yaml"
+    on.write_text("model: m\ncpu:\n  malloc_tunables: true\n")
+    off.write_text("model: m\n")
 
     def run(*args, **env):
         base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LEANSFT_MALLOC")}
@@ -169,13 +174,29 @@ def test_train_reexecutes_once_under_the_malloc_settings(tmp_path):
         assert r.returncode == 0, r.stderr
         return r.stdout.strip()
 
-    assert run("-v", "train", "cfg.yaml", "x=1") == f"True ['-v', 'train', 'cfg.yaml', 'x=1'] {TUNABLES}"
-    assert run("eval", "runs/x", "--data", "d").endswith(TUNABLES) and run("doctor", "c.yaml").endswith(TUNABLES)
-    assert run("plan", "--data", "d") == "True ['plan', '--data', 'd'] None"
-    assert run("generate", "runs/x", "--prompt", "hi").endswith("None")
-    assert run("train", LEANSFT_MALLOC="0").endswith("None")
-    assert run("train", GLIBC_TUNABLES="glibc.cpu.x86_shstk=0").endswith(f"glibc.cpu.x86_shstk=0:{TUNABLES}")
-    assert not wanted(["train"], {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert run("train", str(off)) == f"True ['train', '{off}'] None"  # the default: nothing re-executed
+    assert run("-v", "train", str(on), "x=1") == f"True ['-v', 'train', '{on}', 'x=1'] {TUNABLES}"
+    assert run("train", str(off), "cpu.malloc_tunables=true").endswith(TUNABLES)
+    assert run("train", str(on), "cpu.malloc_tunables=false").endswith("None")
+    assert run("eval", "runs/x", "--data", "d", LEANSFT_MALLOC="1").endswith(TUNABLES)
+    assert run("plan", "--data", "d", LEANSFT_MALLOC="1") == "True ['plan', '--data', 'd'] None"
+    assert run("train", str(on), LEANSFT_MALLOC="0").endswith("None")
+    assert run("train", str(on), GLIBC_TUNABLES="glibc.cpu.x86_shstk=0").endswith(f"glibc.cpu.x86_shstk=0:{TUNABLES}")
+    assert not wanted(["train"], {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "LEANSFT_MALLOC": "1"})
+
+
+def test_the_package_runs_no_compiler_and_loads_no_native_library():
+    """No file leansft reads can make it run code: nothing in the package starts a process or loads a shared
+    library (the CPU-only MKL shim that did both is gone; docs/cpu.md shows how to LD_PRELOAD it by hand)."""
+    import re
+    from pathlib import Path
+
+    import leansft
+
+    root = Path(leansft.__file__).parent
+    bad = [str(f.relative_to(root)) for f in root.rglob("*.py")
+           if re.search(r"^\s*(import (subprocess|ctypes)|from (subprocess|ctypes) import)", f.read_text(), re.M)]
+    assert not bad, bad
 
 
 def test_help_and_argument_errors_import_no_torch():

@@ -153,17 +153,17 @@ def _gather_on_rank(rank: int, init: str, out: str) -> None:
     from helpers import tiny_model
     from torch.distributed.tensor import DTensor
 
-    from leansft.core import parallel
-    from leansft.core.export import gather_full_weights
-    from leansft.core.forward import LossModule
-    from leansft.core.memtrack import TensorMemoryTracker
+    from leansft.core import distributed
+    from leansft.core.io.hf_export import gather_full_weights
+    from leansft.core.metrics.memtrack import TensorMemoryTracker
+    from leansft.core.model.forward import LossModule
 
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         trained = tiny_model("qwen2", seed=1, intermediate_size=1024)  # no tensor above 1/7 of the model
         expected = {k: v.clone() for k, v in trained.state_dict().items()}
-        root = parallel.wrap(LossModule(trained), "fsdp", torch.device("cpu"))
+        root = distributed.wrap(LossModule(trained), "fsdp", torch.device("cpu"))
         plain = tiny_model("qwen2", seed=2, intermediate_size=1024) if rank == 0 else None
         held = [t.to_local() if isinstance(t, DTensor) else t for t in root.state_dict().values()]
         held += list(plain.state_dict().values()) if plain is not None else []

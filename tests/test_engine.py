@@ -27,7 +27,7 @@ def test_precision_auto_follows_the_hardware(monkeypatch, caplog):
 
 
 def test_compile_setting_is_resolved_or_refused(monkeypatch):
-    from leansft.core import compile as comp
+    from leansft.core.model import compile as comp
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not comp.wants_compile("auto", cpu, "ddp", 1)
@@ -81,8 +81,8 @@ def test_flops_count_no_weight_gradient_for_a_frozen_base():
     from helpers import tiny_model
 
     from leansft.core.config import LoraConfig
-    from leansft.core.flops import token_flops
-    from leansft.core.models import apply_lora
+    from leansft.core.metrics.flops import token_flops
+    from leansft.core.model.loading import apply_lora
 
     model = tiny_model("llama")
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -98,7 +98,7 @@ def test_a_4bit_weight_counts_its_real_elements():
     """bitsandbytes packs two 4-bit values a byte; the FLOP count uses the quantised weight's own shape."""
     from types import SimpleNamespace
 
-    from leansft.core.flops import _numel
+    from leansft.core.metrics.flops import _numel
 
     packed = torch.zeros(8 * 16 // 2, 1, dtype=torch.uint8)
     packed.quant_state = SimpleNamespace(shape=torch.Size([8, 16]))
@@ -113,7 +113,7 @@ def test_logged_rates_count_the_time_inside_steps_only():
     import numpy as np
     from helpers import tiny_model
 
-    from leansft.core.collate import collate_packed
+    from leansft.core.batching.collate import collate_packed
     from leansft.core.data.dataset import TokenizedDataset
     from leansft.recipe.throughput import ThroughputWindow
 
@@ -135,7 +135,7 @@ def test_lora_under_autocast_skips_peft_input_casts_bit_for_bit():
     from helpers import tiny_model
 
     from leansft.core.config import LoraConfig
-    from leansft.core.models import apply_lora
+    from leansft.core.model.loading import apply_lora
 
     ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
     results = []
@@ -158,7 +158,7 @@ def test_lora_with_dropout_or_dora_keeps_peft_casts():
     from helpers import tiny_model
 
     from leansft.core.config import LoraConfig
-    from leansft.core.models import apply_lora
+    from leansft.core.model.loading import apply_lora
 
     for cfg in (LoraConfig(r=4, target_modules="all-linear", dropout=0.1),
                 LoraConfig(r=4, target_modules="all-linear", use_dora=True)):
@@ -169,53 +169,8 @@ def test_lora_with_dropout_or_dora_keeps_peft_casts():
 def _padded(ids: torch.Tensor, labels: torch.Tensor):
     import numpy as np
 
-    from leansft.core.collate import PaddedBatch
+    from leansft.core.batching.collate import PaddedBatch
 
     pos = torch.arange(ids.shape[1])[None].expand_as(ids)
     return PaddedBatch(ids, labels, torch.ones_like(ids), pos, np.arange(len(ids)))
 
-
-def test_tied_embedding_gradient_equals_autograd_default():
-    """Full fine-tuning of a tied model: the embedding's sparse rows added into the output layer's gradient
-    (written into .grad by the loss) give the default dense gradient within fp32 rounding, over accumulated
-    micro-batches, one of them without targets (its sparse-only gradient is made dense); every other gradient
-    is bitwise the same, and the shared one bitwise the same run to run (exact resume depends on it)."""
-    from helpers import tiny_model
-
-    from leansft.core.data.masking import IGNORE_INDEX
-    from leansft.core.forward import LossModule
-    from leansft.core.tied_embedding import share_tied_gradient
-
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, 512, (2, 20), generator=g) for _ in range(3)]
-    batches = [_padded(ids[0], torch.full_like(ids[0], IGNORE_INDEX)),  # no targets: embedding gradient only
-               _padded(ids[1], ids[1]), _padded(ids[2], ids[2])]
-    grads = []
-    for tied in (False, True, True):
-        model = tiny_model("qwen2").train()
-        assert share_tied_gradient(model, torch.device("cpu"), 1) if tied else True
-        module = LossModule(model, chunk_size=16, tied_gradient=tied)
-        for b in batches:
-            (module(b) * 0.1).backward()
-            assert not model.get_input_embeddings().weight.grad.is_sparse
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    (dense, tied, again), name = grads, "model.embed_tokens.weight"
-    assert torch.allclose(dense[name], tied[name], rtol=1e-5, atol=1e-7)
-    assert all(torch.equal(dense[n], tied[n]) for n in dense if n != name)
-    assert all(torch.equal(tied[n], again[n]) for n in tied)
-
-
-def test_tied_embedding_gradient_only_where_it_applies():
-    from helpers import tiny_model
-
-    from leansft.core.config import LoraConfig
-    from leansft.core.models import apply_lora
-    from leansft.core.tied_embedding import share_tied_gradient
-
-    cpu = torch.device("cpu")
-    assert not share_tied_gradient(tiny_model("llama"), cpu, 1)  # untied: nothing to share
-    assert not share_tied_gradient(tiny_model("qwen2"), cpu, 2)  # DDP/FSDP hooks want one dense gradient
-    assert not share_tied_gradient(tiny_model("qwen2"), torch.device("cuda"), 1)  # not checked on CUDA
-    lora = apply_lora(tiny_model("qwen2"), LoraConfig(r=4, target_modules="all-linear"))
-    assert not share_tied_gradient(lora, cpu, 1)  # frozen embedding
-    assert not lora.get_input_embeddings().sparse

@@ -1,4 +1,4 @@
-"""Fused RMSNorm, rotary embedding and LoRA linear (core/fused_layers.py): the plain modules' values to fp32
+"""Fused RMSNorm, rotary embedding and LoRA linear (core/cpu/fused_layers.py): the plain modules' values to fp32
 rounding, only where the code is recognised, the original code wherever a call does not fit."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 from helpers import losses, run_config, tiny_model
 
 from leansft.core.config import LoraConfig
-from leansft.core.fused_layers import fuse_layers, plain_layers
-from leansft.core.models import apply_lora
+from leansft.core.cpu.fused_layers import fuse_layers
+from leansft.core.model.as_shipped import as_shipped
+from leansft.core.model.loading import apply_lora
 
 
 def _model(arch: str, lora: LoraConfig | None = None):
@@ -43,7 +44,7 @@ def test_fused_layers_give_the_plain_loss_and_gradients(arch, lora):
     counts = fuse_layers(model)
     assert counts["rms_norm"] > 0 and counts["rotary"] == 1 and (counts["lora_linear"] > 0) == (lora is not None)
     loss, grads = _loss_and_grads(model, IDS)
-    with plain_layers():
+    with as_shipped():
         ref_loss, ref_grads = _loss_and_grads(model, IDS)
     assert loss == pytest.approx(float(ref_loss), rel=1e-6)
     assert float((grads - ref_grads).norm() / ref_grads.norm()) < 1e-5
@@ -55,7 +56,7 @@ def test_fused_layers_under_bf16_autocast_are_as_close_to_fp32_as_the_plain_ones
     close to the fp32 gradients."""
     model = _model("llama", lora)
     fuse_layers(model)
-    with plain_layers():
+    with as_shipped():
         _, exact = _loss_and_grads(model, IDS)
         plain_loss, plain = _loss_and_grads(model, IDS, bf16=True)
     loss, fused = _loss_and_grads(model, IDS, bf16=True)
@@ -67,7 +68,7 @@ def test_fused_layers_under_bf16_autocast_are_as_close_to_fp32_as_the_plain_ones
 def test_a_frozen_base_weight_keeps_its_cast_until_it_changes():
     """Under bf16 autocast a frozen base weight is cast once and kept between steps, never stale: an in-place
     change (a merge, a load) casts it again; nothing is kept for trainable weights or when told not to."""
-    from leansft.core import fused_layers
+    from leansft.core.cpu import fused_layers
 
     model = _model("llama", LORA)
     fuse_layers(model)
@@ -85,7 +86,7 @@ def test_a_frozen_base_weight_keeps_its_cast_until_it_changes():
     assert torch.equal(kept(), layer.base_layer.weight.bfloat16())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=IDS, labels=IDS).loss
-        with plain_layers():
+        with as_shipped():
             ref = model(input_ids=IDS, labels=IDS).loss
     assert float(loss) == pytest.approx(float(ref), rel=2e-2)
     layer.merge()  # peft writes through .data, which no version counter sees; a merged forward drops the copy
@@ -119,7 +120,7 @@ def test_calls_that_do_not_fit_run_the_original_code():
             assert torch.equal(layer(x), layer.base_layer(x))
         norm = model.base_model.model.model.norm
         x = torch.randn(3, 64, dtype=torch.bfloat16)
-        with plain_layers():
+        with as_shipped():
             ref = norm(x)
         assert torch.equal(norm(x), ref)  # a bf16 input: Llama's own code
 
@@ -132,7 +133,7 @@ def test_a_trainable_base_layer_gets_its_gradient():
     layer.base_layer.weight.requires_grad_(True)
     fuse_layers(model)
     _, grads = _loss_and_grads(model, IDS)
-    with plain_layers():
+    with as_shipped():
         _, ref = _loss_and_grads(model, IDS)
     assert layer.base_layer.weight.grad is not None
     assert float((grads - ref).norm() / ref.norm()) < 1e-5
@@ -145,7 +146,7 @@ def test_fused_run_trains_the_plain_runs_losses(tmp_path, tiny_run_assets, caplo
 
     runs = {}
     for setting in ("false", "true"):
-        cfg = run_config(tmp_path / setting, tiny_run_assets, f"training.fused_layers={setting}",
+        cfg = run_config(tmp_path / setting, tiny_run_assets, f"cpu.fused_layers={setting}",
                          "training.method=lora", "training.lora.init=gaussian", "training.max_steps=6")
         with caplog.at_level(logging.INFO, logger="leansft"):
             train(cfg)
@@ -159,7 +160,7 @@ def test_an_unfused_run_restores_transformers_rotary():
     """The rotary function is replaced module-wide: a later run with fused_layers false gets transformers' back."""
     from transformers.models.llama import modeling_llama
 
-    from leansft.core.fused_layers import restore_rotary
+    from leansft.core.cpu.fused_layers import restore_rotary
 
     fuse_layers(_model("llama"))
     fused = modeling_llama.apply_rotary_pos_emb
@@ -167,67 +168,3 @@ def test_an_unfused_run_restores_transformers_rotary():
     assert modeling_llama.apply_rotary_pos_emb is fused.args[0]
     assert modeling_llama.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"
 
-
-def test_onednn_linear_gives_the_plain_products():
-    """oneDNN's x W^T + b and its gradients equal torch's (MKL's) to fp32 rounding, for a 3-d, strided input."""
-    from leansft.core.onednn_linear import OneDNNLinear
-
-    g = torch.Generator().manual_seed(0)
-    for bias in (True, False):
-        x0 = torch.randn(2, 48, 5, generator=g).transpose(1, 2)  # [2, 5, 48], not contiguous
-        w0, b0 = torch.randn(24, 48, generator=g), torch.randn(24, generator=g) if bias else None
-        grad = torch.randn(2, 5, 24, generator=g)
-        results = []
-        for fn in (OneDNNLinear.apply, torch.nn.functional.linear):
-            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-            b = b0.clone().requires_grad_() if bias else None
-            out = fn(x, w, b)
-            out.backward(grad)
-            results.append([out, x.grad, w.grad] + ([b.grad] if bias else []))
-        for got, ref in zip(*results):
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("pays,lora", [(True, None), (False, None), (True, LORA)])
-def test_plain_linear_layers_go_through_onednn_where_it_pays(monkeypatch, pays, lora):
-    """Plain fp32 linear layers, and the fused LoRA's frozen base product, through oneDNN where it pays: the
-    plain model's loss and gradients; never inside ``plain_layers()`` or under autocast."""
-    from leansft.core import onednn_linear
-
-    calls = []
-    monkeypatch.setattr(onednn_linear, "onednn_pays", lambda: pays)
-    real = onednn_linear.mm_t
-    monkeypatch.setattr(onednn_linear, "mm_t", lambda *a: calls.append(1) or real(*a))
-    model = _model("llama", lora)
-    counts = fuse_layers(model)
-    # every plain linear layer, or (LoRA) the output layer alone: the adapters' parts and the fused bases are not
-    plain = sum(type(m) is torch.nn.Linear for m in model.modules())
-    assert counts["linear"] == (0 if not pays else 1 if lora else plain)
-    loss, grads = _loss_and_grads(model, IDS)
-    assert bool(calls) == pays
-    calls.clear()
-    with plain_layers():
-        ref_loss, ref_grads = _loss_and_grads(model, IDS)
-    assert not calls
-    assert loss == pytest.approx(float(ref_loss), rel=1e-6)
-    assert float((grads - ref_grads).norm() / ref_grads.norm()) < 1e-5
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's own bf16 path
-        model(input_ids=IDS)
-    assert not calls
-
-
-def test_onednn_takes_the_linear_layers_on_avx512_cpus_not_made_by_intel(monkeypatch):
-    """MKL runs its AVX-512 kernels on Intel CPUs only; oneDNN uses AVX-512 wherever it is. Where leansft's shim
-    has MKL run its AVX-512 kernels anyway (``core/mkl_kernels.py``), MKL's products are as fast or faster."""
-    from leansft.core import mkl_kernels, onednn_linear
-
-    for capability, vendor, shim, pays in (("AVX512", "AuthenticAMD", False, True),
-                                           ("AVX512", "AuthenticAMD", True, False),
-                                           ("AVX512", "GenuineIntel", False, False),
-                                           ("AVX2", "AuthenticAMD", False, False), ("AVX512", "", False, False)):
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        monkeypatch.setattr(onednn_linear, "cpu_vendor", lambda v=vendor: v)
-        monkeypatch.setattr(mkl_kernels, "loaded", lambda s=shim: s)
-        onednn_linear.mkl_runs_avx2.cache_clear()
-        assert onednn_linear.onednn_pays() == pays, (capability, vendor, shim)
-    onednn_linear.mkl_runs_avx2.cache_clear()

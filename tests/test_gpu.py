@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_packed_isolation_bf16_on_gpu():
     from test_packing_attention import dataset
 
-    from leansft.core.attention import choose_backend, packed_forward, use_packed_attention
-    from leansft.core.collate import collate_packed
+    from leansft.core.batching.collate import collate_packed
+    from leansft.core.model.attention import choose_backend, packed_forward, use_packed_attention
 
     device = torch.device("cuda")
     model = tiny_model("qwen2").to(device)
@@ -31,7 +31,7 @@ def test_packed_isolation_bf16_on_gpu():
 
 
 def test_chunked_loss_on_gpu_matches_full_logits():
-    from leansft.core.loss import chunked_loss, full_logits_loss
+    from leansft.core.model.loss import chunked_loss, full_logits_loss
 
     torch.manual_seed(0)
     h = torch.randn(1, 4096, 256, device="cuda", requires_grad=True)
@@ -53,9 +53,9 @@ def test_torch_varlen_kernel_isolates_examples_and_passes_verification():
     SDPA in bf16, and verify-before-train accepts it."""
     from test_packing_attention import dataset
 
-    from leansft.core.attention import TORCH_VARLEN, VARLEN, packed_forward, use_packed_attention
-    from leansft.core.collate import collate_packed
-    from leansft.core.verify import verify_model
+    from leansft.core.batching.collate import collate_packed
+    from leansft.core.model.attention import TORCH_VARLEN, VARLEN, packed_forward, use_packed_attention
+    from leansft.core.model.verify import verify_model
 
     device = torch.device("cuda")
     model = tiny_model("qwen2").to(device)
@@ -76,8 +76,8 @@ def test_torch_varlen_cuts_llama4_chunked_layers_at_their_chunks():
     PyTorch's varlen kernel with per-layer boundaries: verify-before-train accepts it, far in the row too."""
     from test_architectures import VOCAB, tiny
 
-    from leansft.core.attention import TORCH_VARLEN, use_packed_attention
-    from leansft.core.verify import probe_segments, verify_model
+    from leansft.core.model.attention import TORCH_VARLEN, use_packed_attention
+    from leansft.core.model.verify import probe_segments, verify_model
 
     model = tiny("llama4_text").to("cuda")
     use_packed_attention(model, TORCH_VARLEN)
@@ -89,10 +89,10 @@ def test_compiled_layers_train_like_eager_on_gpu():
     """Regional compile on CUDA: the first steps' losses equal the eager ones within bf16 noise."""
     from test_packing_attention import dataset
 
-    from leansft.core.attention import choose_backend, use_packed_attention
-    from leansft.core.collate import collate_packed
-    from leansft.core.compile import compile_layers
-    from leansft.core.forward import LossModule
+    from leansft.core.batching.collate import collate_packed
+    from leansft.core.model.attention import choose_backend, use_packed_attention
+    from leansft.core.model.compile import compile_layers
+    from leansft.core.model.forward import LossModule
 
     data = dataset([list(range(5, 40)), list(range(60, 90)), list(range(100, 135))])
     batch = collate_packed(data, np.array([0, 1, 2]), np.zeros(3, np.int64), data.lengths[[0, 1, 2]])
@@ -116,7 +116,8 @@ def test_compiled_layers_train_like_eager_on_gpu():
 
 def test_eval_and_generate_commands_run_on_the_gpu(tmp_path, tiny_run_assets, monkeypatch, capsys):
     """`leansft eval` and `generate` put the model on the GPU (they ran on the CPU beside one)."""
-    from leansft.core import evaluation, generation
+    from leansft.core.inference import generation
+    from leansft.core.inference import heldout_loss as evaluation
     from leansft.tools.cli import main
 
     seen = []
@@ -141,7 +142,7 @@ def test_a_model_is_read_straight_onto_the_gpu(tmp_path):
     import subprocess
     import sys
 
-    from leansft.core.models import load_model
+    from leansft.core.model.loading import load_model
 
     write = ("import sys, torch, transformers as tf\n"  # in another process: this one's host memory stays as it was
              "cfg = tf.Qwen2Config(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,"

@@ -2,7 +2,7 @@
 
 import torch
 
-from leansft.core.grad_clip import ROW, clip_gradients
+from leansft.core.model.grad_clip import ROW, clip_gradients
 
 
 def _params(*shapes: tuple[int, ...]) -> list[torch.nn.Parameter]:

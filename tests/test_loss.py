@@ -7,10 +7,11 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from leansft.core.attention import VARLEN, packed_forward, use_packed_attention
 from leansft.core.data.masking import IGNORE_INDEX
-from leansft.core.loss import chunked_loss, full_logits_loss, gradient_dtype, normalise, onednn_bf16_mode_engages
-from leansft.core.memtrack import TensorMemoryTracker
+from leansft.core.metrics.memtrack import TensorMemoryTracker
+from leansft.core.model.attention import VARLEN, packed_forward, use_packed_attention
+from leansft.core.cpu.bf16_head import bf16_head, onednn_bf16_mode_engages
+from leansft.core.model.loss import chunked_loss, full_logits_loss, normalise
 
 
 def setup(T=37, H=16, V=101, tied=False, ignore=True, seed=0):
@@ -45,24 +46,6 @@ def test_exact_against_full_logits(chunk, tied, ignore):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("pays", [True, False])
-def test_onednn_head_products_where_they_pay(monkeypatch, pays):
-    """On CPUs where oneDNN's fp32 products beat MKL's the logits and the hidden-state gradient go through it (over
-    several chunks, with the weight tied or not), and the loss and both gradients stay the full-logits ones."""
-    from leansft.core import onednn_linear
-
-    calls = []
-    real = onednn_linear.mm_t
-    monkeypatch.setattr(onednn_linear, "onednn_pays", lambda: pays)
-    monkeypatch.setattr(onednn_linear, "mm_t", lambda *a: calls.append(1) or real(*a))
-    for tied in (False, True):
-        ref = grads(full_logits_loss, None, tied, True)
-        got = grads(chunked_loss, 8, tied, True)
-        for a, b in zip((got[0], got[2], got[3]), (ref[0], ref[2], ref[3])):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert len(calls) == (2 * 2 * 3 if pays else 0)  # logits and hidden gradient, 3 chunks of 8 (24 targets), twice
-
-
 def test_softcap_and_bf16():
     ref = grads(full_logits_loss, None, False, True, softcap=5.0)
     got = grads(chunked_loss, 7, False, True, softcap=5.0)
@@ -78,26 +61,36 @@ def test_softcap_and_bf16():
     assert float(loss.detach()) == pytest.approx(float(ref_loss), rel=1e-2)
 
 
-def test_cpu_bf16_autocast_head_takes_bf16_inputs_with_fp32_accumulation():
-    """Under CPU bf16 autocast the head's matmuls run as autocast runs a linear layer (bf16 inputs) where oneDNN's
-    bf16 mode engages, but accumulate and return fp32: the loss equals the exact loss of the bf16-rounded inputs
-    there and the fp32 loss elsewhere, never a loss of bf16-rounded logits. Where the mode does not engage on a CPU
-    with bf16 units, the two gradient products alone are bf16 (``gradient_dtype``): bf16-level gradients."""
+def test_plain_head_under_cpu_bf16_autocast_is_the_fp32_loss():
+    """By default (no ``cpu.bf16_head``) the head of an fp32 model under CPU bf16 autocast multiplies in fp32."""
+    emb, ids, proj, labels, weight = setup(T=64, H=32, V=301)
+    hidden, weight = (emb[ids] @ proj).detach(), weight.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = chunked_loss(hidden, weight, labels, 16)
+    assert float(loss) == pytest.approx(float(full_logits_loss(hidden, weight, labels)[0]), rel=1e-6)
+
+
+def test_cpu_bf16_head_takes_bf16_inputs_with_fp32_accumulation():
+    """With ``cpu.bf16_head`` (core/cpu/bf16_head.py) under CPU bf16 autocast the head's matmuls run as autocast
+    runs a linear layer (bf16 inputs) where oneDNN's bf16 mode engages, but accumulate and return fp32: the loss
+    equals the exact loss of the bf16-rounded inputs there and the fp32 loss elsewhere, never a loss of bf16-rounded
+    logits. Where the mode does not engage on a CPU with bf16 units, the two gradient products alone are bf16
+    (``grad_dtype``): bf16-level gradients."""
     emb, ids, proj, labels, weight = setup(T=64, H=32, V=301)
     hidden = (emb[ids] @ proj).detach().requires_grad_()
     before = torch.backends.mkldnn.matmul.fp32_precision
+    precision = bf16_head(torch.device("cpu"), torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, n = chunked_loss(hidden, weight, labels, 16)
+        loss, n = chunked_loss(hidden, weight, labels, 16, precision=precision)
     assert torch.backends.mkldnn.matmul.fp32_precision == before  # the switch is the loss's alone
     loss.backward()
     assert loss.dtype == torch.float32 and n == int((labels[0, 1:] != IGNORE_INDEX).sum())
     h32, w32 = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     fp32_loss = full_logits_loss(h32, w32, labels)[0]
     fp32_loss.backward()
-    if not onednn_bf16_mode_engages():  # fp32 logits and loss; gradients as gradient_dtype says
+    if not onednn_bf16_mode_engages():  # fp32 logits and loss; gradients as grad_dtype says
         assert float(loss) == pytest.approx(float(fp32_loss), rel=1e-5)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            low = gradient_dtype(hidden.device)
+        low = precision.grad_dtype
         for got, ref in ((hidden.grad, h32.grad), (weight.grad, w32.grad)):
             error = float((got - ref).norm() / ref.norm())
             assert error < 1e-5 if low is None else 1e-4 < error < 1e-2  # bf16 products: bf16-level, not fp32
@@ -151,7 +144,7 @@ def test_accumulation_1_vs_8_same_update_and_logged_loss():
     """One step over 8 packed micro-batches of unequal target counts, accumulated 1 vs 8 ways."""
     from test_packing_attention import dataset
 
-    from leansft.core.collate import collate_packed
+    from leansft.core.batching.collate import collate_packed
 
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 17, 9, 30, 4, 12, 21, 8)]
@@ -185,7 +178,7 @@ def test_liger_backend_missing_is_a_clear_error():
     import importlib.util
 
     from leansft.core.errors import ConfigError
-    from leansft.core.loss import liger_loss
+    from leansft.core.model.loss import liger_loss
 
     if importlib.util.find_spec("liger_kernel") is not None:
         pytest.skip("liger-kernel installed")
@@ -196,7 +189,7 @@ def test_liger_backend_missing_is_a_clear_error():
 def test_no_gradient_buffers_under_no_grad(monkeypatch):
     """Evaluation (FSDP included) computes no weight gradient even when the weight requires grad: the loss
     function is handed inputs that need no gradient, so it allocates no gradient buffers."""
-    from leansft.core import loss as loss_mod
+    from leansft.core.model import loss as loss_mod
 
     seen = []
     real = loss_mod._ChunkedLinearCE.apply
@@ -234,7 +227,7 @@ def test_output_head_is_read_from_the_model():
     """The scale is measured from the model's own forward (Cohere multiplies, Granite divides)."""
     import transformers as tf
 
-    from leansft.core.head import read_output_head
+    from leansft.core.model.head import read_output_head
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=64)
@@ -270,7 +263,7 @@ def test_weighted_accumulation_1_vs_4_same_update():
     """The step's normaliser is the sum of the targets' weights: accumulation does not change the update."""
     from test_packing_attention import dataset
 
-    from leansft.core.collate import collate_packed
+    from leansft.core.batching.collate import collate_packed
     from leansft.core.data.dataset import TokenizedDataset
 
     g = torch.Generator().manual_seed(4)

@@ -58,9 +58,9 @@ def test_estimate_against_measured_tiny_model(method, precision):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from leansft.core.config import LoraConfig
-    from leansft.core.fused_layers import fuse_layers
-    from leansft.core.memtrack import TensorMemoryTracker
-    from leansft.core.models import apply_lora
+    from leansft.core.cpu.fused_layers import fuse_layers
+    from leansft.core.metrics.memtrack import TensorMemoryTracker
+    from leansft.core.model.loading import apply_lora
 
     cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=2000, tie_word_embeddings=False)
@@ -73,7 +73,7 @@ def test_estimate_against_measured_tiny_model(method, precision):
     tokens = 1024
     ids = torch.randint(0, 2000, (1, tokens))
     if method == "lora" and precision == "bf16":  # the frozen base in bf16, as train stores it
-        from leansft.core.bf16_base import store_base_in_bf16
+        from leansft.core.model.bf16_base import store_base_in_bf16
 
         def probe():
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -89,17 +89,6 @@ def test_estimate_against_measured_tiny_model(method, precision):
     assert predicted / 1.5 < tr.peak < predicted * 1.5, (tr.peak, predicted)
 
 
-def test_tracker_counts_a_sparse_gradient():
-    """A tied embedding's sparse gradient (``core/tied_embedding.py``) is counted by its indices and values."""
-    from leansft.core.memtrack import TensorMemoryTracker
-
-    weight = torch.nn.Parameter(torch.randn(1000, 64))
-    with TensorMemoryTracker(exclude=[weight]) as tr:
-        torch.nn.functional.embedding(torch.arange(10), weight, sparse=True).sum().backward()
-    assert weight.grad.is_sparse and 10 * 64 * 4 <= tr.peak < 1000 * 64 * 4
-
-
-
 def test_tracker_counts_what_ops_take_and_leaves_out_the_tensors_it_is_told_to():
     """A tensor made before the tracker started counts once an op takes or shows it (how weights read from disk,
     which no op creates, come into a run's peak), unless excluded: ``leansft doctor``'s "measured above the
@@ -107,7 +96,7 @@ def test_tracker_counts_what_ops_take_and_leaves_out_the_tensors_it_is_told_to()
     (estimate 927). Counting only what ops showed left out a weight that bf16 autocast only casts or an
     embedding only looks up: TRL's fp32 weights were missing from its bf16 peaks in bench_trl.py (0.5B: 7.6 GB
     counted, 9.0 with them)."""
-    from leansft.core.memtrack import TensorMemoryTracker
+    from leansft.core.metrics.memtrack import TensorMemoryTracker
 
     w, x, ids = torch.randn(512, 256), torch.randn(8, 256), torch.arange(8)
     out_bytes, w_bytes, x_bytes = 8 * 512 * 4, 512 * 256 * 4, 8 * 256 * 4

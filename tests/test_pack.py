@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leansft.core.packing import STRATEGIES, bfd_assign, deal_to_ranks, pack
+from leansft.core.batching.packing import STRATEGIES, bfd_assign, deal_to_ranks, pack
 from leansft.tools.stats import lognormal_lengths, plan_summary, recommend_max_length
 
 lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=300).map(np.array)

@@ -10,13 +10,13 @@ import torch
 from helpers import ARCHS, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from leansft.core.attention import FLEX, VARLEN, packed_forward, sdpa_varlen_attention, use_packed_attention
-from leansft.core.collate import collate_packed, collate_padded, collate_rows, micro_batches
+from leansft.core.batching.collate import collate_packed, collate_padded, collate_rows, micro_batches
+from leansft.core.batching.packing import bfd
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ModelError
-from leansft.core.loss import chunked_loss
-from leansft.core.packing import bfd
+from leansft.core.model.attention import FLEX, VARLEN, packed_forward, sdpa_varlen_attention, use_packed_attention
+from leansft.core.model.loss import chunked_loss
 
 
 def dataset(seqs: list[list[int]], prompt: int = 2) -> TokenizedDataset:
@@ -82,8 +82,8 @@ def test_gradient_of_b_wrt_a_embeddings_is_zero(arch):
 def test_packed_gradients_equal_the_sum_over_examples_alone(arch):
     """The parameter gradients of a packed row's loss equal those of each example run alone through the
     plain model (its own attention, its own loss), summed: segment boundaries cost nothing in backward."""
-    from leansft.core.attention import plain_attention
-    from leansft.core.forward import loss_of
+    from leansft.core.model.attention import plain_attention
+    from leansft.core.model.forward import loss_of
 
     model = tiny_model(arch).train()
     use_packed_attention(model, VARLEN)
@@ -104,7 +104,7 @@ def test_packed_gradients_equal_the_sum_over_examples_alone(arch):
 def test_short_segments_attend_in_fp32_under_cpu_bf16_autocast():
     """The CPU's bf16 flash kernel is slower than its fp32 one on short segments: those run in fp32 (exact
     fp32 attention, returned in bf16 as autocast's would be); longer ones stay bf16 as autocast makes them."""
-    from leansft.core.attention import _segment_attention, cpu_half_segment_max
+    from leansft.core.model.attention import _segment_attention, cpu_half_segment_max
 
     g = torch.Generator().manual_seed(0)
     for length, fp32 in ((12, True), (cpu_half_segment_max(), True), (cpu_half_segment_max() + 1, False)):
@@ -119,7 +119,7 @@ def test_short_segments_attend_in_fp32_under_cpu_bf16_autocast():
 
 def test_the_fp32_attention_limit_follows_the_cpus_bf16_units(monkeypatch):
     """With AMX the bf16 kernel overtakes fp32 from ~384 tokens; with AVX512-BF16 alone only from ~768."""
-    from leansft.core import attention
+    from leansft.core.model import attention
 
     for amx, limit in ((True, 256), (False, 512)):
         attention.cpu_half_segment_max.cache_clear()
@@ -210,8 +210,8 @@ def test_a_packed_micro_batch_reads_nothing_back_from_the_device():
     """Forward, loss and backward of a packed micro-batch that went through ``to(device)``: no op whose size or
     value depends on the data (the targets' positions and the segments' lengths are found on the host by ``to``),
     so on CUDA the host never waits inside the step until the loss and gradient norm are read."""
-    from leansft.core.forward import LossModule
-    from leansft.core.head import read_output_head
+    from leansft.core.model.forward import LossModule
+    from leansft.core.model.head import read_output_head
 
     model = tiny_model("qwen2").train()
     use_packed_attention(model, VARLEN)
@@ -225,8 +225,8 @@ def test_a_packed_micro_batch_reads_nothing_back_from_the_device():
 
 
 def test_segment_lengths_come_from_the_host_for_that_boundaries_tensor_only():
-    from leansft.core.attention import remember_segment_sizes, segment_sizes
-    from leansft.core.collate import HostRead
+    from leansft.core.batching.collate import HostRead
+    from leansft.core.model.attention import remember_segment_sizes, segment_sizes
 
     cu = torch.tensor([0, 5, 12], device="meta")  # a device the host cannot read: the lengths must be handed over
     remember_segment_sizes(HostRead.of([5, 7], cu))
@@ -254,7 +254,7 @@ def test_what_to_read_on_the_host_holds_for_those_very_tensors_only():
 def test_the_cuda_choice_of_backend_follows_what_torch_and_flash_attn_offer(monkeypatch):
     """The choice is logic only (no GPU needed): bf16 on CUDA takes flash-attn when installed, else torch's varlen
     kernel, else (an older torch, as the H200 image's 2.11 may be) per-segment SDPA; fp32 takes per-segment SDPA."""
-    from leansft.core import attention
+    from leansft.core.model import attention
     from leansft.core.errors import ConfigError
 
     cuda = torch.device("cuda")
@@ -310,7 +310,7 @@ def test_torch_varlen_call_fits_the_installed_torch(monkeypatch, enable_gqa_para
     they are where it has; causal, scaled and windowed as per-segment SDPA attends."""
     import torch.nn.attention.varlen as varlen
 
-    from leansft.core import attention
+    from leansft.core.model import attention
 
     fake = _fake_varlen_attn(enable_gqa_param)
     monkeypatch.setattr(varlen, "varlen_attn", fake)

@@ -1,5 +1,5 @@
 """Rotary embeddings that depend on the sequence length (longrope, dynamic NTK): every example of a packed or
-padded batch gets the positions it has alone, in a freshly loaded model (``core/per_example_rope.py``)."""
+padded batch gets the positions it has alone, in a freshly loaded model (``core/model/rope.py``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers as tf
 
-from leansft.core.attention import plain_attention, use_packed_attention
-from leansft.core.forward import hidden_states
-from leansft.core.per_example_rope import per_example_rope
-from leansft.core.verify import _packed_batch, _padded_batch
+from leansft.core.model.attention import plain_attention, use_packed_attention
+from leansft.core.model.forward import hidden_states
+from leansft.core.model.rope import per_example_rope
+from leansft.core.model.verify import _packed_batch, _padded_batch
 
 SWITCH = 32  # where the tiny models' rotary frequencies change
 LENGTHS = (40, 20, 50, 32, 33, 10)  # both sides of the switch, and on it

@@ -11,9 +11,9 @@ import torch
 import transformers as tf
 from helpers import losses, run_config, train_crashing_after
 
-from leansft.core import checkpoint as ckpt
 from leansft.core.errors import ConfigError
-from leansft.core.forward import LossModule
+from leansft.core.io import checkpoint_files as ckpt
+from leansft.core.model.forward import LossModule
 from leansft.recipe.builders import build_model, build_optimizer
 from leansft.recipe.train import train
 
@@ -82,7 +82,7 @@ def test_qlora_resume_is_bitwise(tmp_path, tiny_run_assets, monkeypatch):
 def test_the_4bit_matmul_passes_gradients_after_eval_mode(tmp_path, tiny_run_assets):
     """bitsandbytes repacks CPU weights for inference on a first eval-mode call (verification does one) and then
     multiplies without an input gradient; leansft keeps the training layout, so gradients reach earlier layers."""
-    from leansft.core.quant import dequantised, quantised_layers
+    from leansft.core.model.qlora import dequantised, quantised_layers
 
     model, _ = build_model(run_config(tmp_path, tiny_run_assets, "training.method=qlora"), torch.device("cpu"),
                            False, tiny_run_assets["model"])
@@ -103,9 +103,9 @@ def test_the_export_merges_into_the_4bit_base_one_dequantised_layer_at_a_time(tm
     a 24 GB card): the merge takes them one at a time, each the weight of the plain model by name and shape."""
     import weakref
 
-    from leansft.core import quant
+    from leansft.core.model import qlora as quant
     from leansft.core.errors import ModelError
-    from leansft.core.models import merged_plain_model
+    from leansft.core.model.loading import merged_plain_model
 
     cfg = run_config(tmp_path, tiny_run_assets, "training.method=qlora")
     model, _ = build_model(cfg, torch.device("cpu"), False, tiny_run_assets["model"])
@@ -133,7 +133,7 @@ def test_weight_memory_per_base_parameter(tmp_path, tiny_run_assets):
     """NF4 + double quantisation: about 0.52 bytes per quantised parameter (4 bits + one 8-bit constant per 64
     weights + the constants' own constants and code books), against 4 bytes (fp32) for LoRA's frozen base and for
     full training. Layers of a realistic width (512): the per-layer code books (1 KB) would dominate tiny ones."""
-    from leansft.core.quant import weight_bytes
+    from leansft.core.model.qlora import weight_bytes
 
     folder = tmp_path / "wide"
     tok = tf.AutoTokenizer.from_pretrained(tiny_run_assets["model"])
@@ -200,7 +200,7 @@ def test_lora_plus_gives_the_b_matrices_their_own_learning_rate(tmp_path, tiny_r
 
 
 def test_neftune_noise_in_training_only_scaled_by_each_examples_length(tiny_run_assets):
-    from leansft.core.neftune import NEFTune
+    from leansft.core.model.neftune import NEFTune
 
     model = tf.AutoModelForCausalLM.from_pretrained(tiny_run_assets["model"])
     emb = model.get_input_embeddings()

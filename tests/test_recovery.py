@@ -21,9 +21,9 @@ import yaml
 from helpers import run_config, write_jsonl
 from safetensors.torch import load_file
 
-from leansft.core import checkpoint as ckpt
 from leansft.core.data.sources import read_rows
 from leansft.core.errors import DataError, LeanSFTError
+from leansft.core.io import checkpoint_files as ckpt
 from leansft.recipe.train import EXIT_STOPPED, train
 from leansft.tools.cli import main
 
@@ -234,9 +234,9 @@ def test_a_stop_signal_on_another_rank_stops_this_one_at_the_same_step(tmp_path,
     """torchrun's ranks get a signal each at its own moment: the stop request travels with the step's loss
     all-reduce, so a rank whose own flag is clear still stops and saves at the step its peer does (before, the
     ranks could part ways and wait in different collectives)."""
-    from leansft.core import parallel
+    from leansft.core import distributed
 
-    real = parallel.all_reduce_sum
+    real = distributed.all_reduce_sum
     calls = []
 
     def peer_signalled_at_step_2(value, device):
@@ -246,7 +246,7 @@ def test_a_stop_signal_on_another_rank_stops_this_one_at_the_same_step(tmp_path,
             return out + torch.tensor([0.0, 1.0]) if len(calls) == 2 else out
         return out
 
-    monkeypatch.setattr(parallel, "all_reduce_sum", peer_signalled_at_step_2)
+    monkeypatch.setattr(distributed, "all_reduce_sum", peer_signalled_at_step_2)
     cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=6", "checkpoint.save_every=1000")
     result = train(cfg)
     assert result["stopped"] and result["step"] == 2
@@ -321,23 +321,6 @@ def test_resume_with_a_changed_config_is_refused_unless_the_change_is_honoured(t
     assert losses(run) == {k: v for k, v in losses(reference).items() if k in (1, 2, 4, 6)}
 
 
-def test_resume_under_other_fp32_kernels_warns(tmp_path, tiny_run_assets, reference, caplog, monkeypatch):
-    """A checkpoint records the CPU's fp32 kernels (core/mkl_kernels.py); resumed under others the run goes on,
-    and says it is no longer bitwise the uninterrupted one."""
-    from leansft.core import mkl_kernels
-
-    run = tmp_path / "run"
-    shutil.copytree(reference, run)
-    shutil.rmtree(run / "checkpoints" / "step-6")
-    assert json.loads((run / "checkpoints" / "step-4" / "state.json").read_text())["fp32_kernels"] == "mkl-own-choice"
-    monkeypatch.setitem(mkl_kernels._state, "loaded", "shim.so")  # as if this process had MKL's AVX-512 kernels
-    cfg = run_config(tmp_path, tiny_run_assets, "checkpoint.save_every=2", "checkpoint.keep_last=5")
-    cfg.output_dir = str(run)
-    train(cfg, resume="auto")
-    assert "fp32 kernels mkl-own-choice and this process runs mkl-avx512" in caplog.text
-    assert json.loads((run / "checkpoints" / "step-6" / "state.json").read_text())["fp32_kernels"] == "mkl-avx512"
-
-
 def test_resume_on_data_changed_since_is_refused(tmp_path, tiny_run_assets):
     """The same config can read a data file that changed since the checkpoint: its position would point at
     other examples, so the resume is refused."""
@@ -378,8 +361,7 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     run = tmp_path / "chaos" / "run"
     rng, env = random.Random(0), {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "leansft", "train", path, "--resume", "auto"]
-    # The uninterrupted run goes through the same command: `leansft train` picks the process's fp32 kernels
-    # (core/mkl_kernels.py), which a run inside pytest would not share.
+    # The uninterrupted run goes through the same command, as the interrupted ones do.
     whole, whole_run = config_file(tmp_path / "whole", tiny_run_assets, *common), tmp_path / "whole" / "run"
     subprocess.run([sys.executable, "-m", "leansft", "train", whole], env=env, check=True, capture_output=True)
     plan = ["start-up"] * 2 + ["mid-run"] * 5

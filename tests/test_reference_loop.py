@@ -14,8 +14,8 @@ import transformers as tf
 from helpers import run_config
 
 import leansft.recipe.train as recipe
-from leansft.core.fused_layers import plain_layers
-from leansft.core.models import trainable_parameters
+from leansft.core.model.as_shipped import as_shipped
+from leansft.core.model.loading import trainable_parameters
 
 pytestmark = pytest.mark.slow  # trains a tiny model end to end
 
@@ -65,7 +65,7 @@ def reference_run(model, seen: dict, weight_decay: float, max_grad_norm: float) 
     for rows, step_targets, *_ in seen["steps"]:
         total = 0.0
         for ids, labels in (example for micro_batch in rows for example in micro_batch):
-            with plain_layers():
+            with as_shipped():
                 logits = model(input_ids=ids, use_cache=False).logits
             loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels[0, 1:], reduction="sum")
             (loss / step_targets).backward()
@@ -128,6 +128,6 @@ def test_training_equals_the_plain_model_trained_example_by_example(tmp_path, ti
         exported = tf.AutoModelForCausalLM.from_pretrained(f"{cfg.output_dir}/final", dtype=torch.float32).eval()
         reference = (plain.merge_and_unload() if method == "lora" else plain).eval()
         ids = torch.cat([ids for rows, *_ in seen["steps"][:1] for ids, _ in rows[0]], dim=1)[:, :128]
-        with torch.no_grad(), plain_layers():
+        with torch.no_grad(), as_shipped():
             want, got = reference(input_ids=ids).logits, exported(input_ids=ids).logits
         assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())

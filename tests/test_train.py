@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import after_each_step, losses, run_config, tiny_bloom, train_crashing_after
 
-from leansft.core import checkpoint as ckpt
 from leansft.core.config import load_config
 from leansft.core.errors import ConfigError, LeanSFTError
+from leansft.core.io import checkpoint_files as ckpt
 from leansft.recipe.train import train
 
 KEYS = {"step", "loss", "lr", "grad_norm", "real_tokens_per_s", "target_tokens_per_s", "padding_share",
@@ -125,7 +125,7 @@ def test_safetensors_are_written_a_tensor_at_a_time_in_safetensors_own_format(tm
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from leansft.core.memtrack import TensorMemoryTracker
+    from leansft.core.metrics.memtrack import TensorMemoryTracker
 
     base = torch.randn(6, 8)
     tensors = {"f32": base, "tied": base, "bf16": base.bfloat16(), "f16": base.half(), "step": torch.tensor(3.0),
@@ -196,7 +196,7 @@ def test_a_model_read_onto_its_device_is_the_model_read_to_the_host(tmp_path):
     the same fp32 weights from a bf16 checkpoint, the tied head still tied, and no dispatch hooks on the model."""
     from helpers import tiny_model
 
-    from leansft.core.models import load_model
+    from leansft.core.model.loading import load_model
 
     tiny_model("qwen2").to(torch.bfloat16).save_pretrained(tmp_path / "m")
     host = load_model(str(tmp_path / "m"))
@@ -246,7 +246,7 @@ def test_lora_adapters_alone_export_loads_with_peft_and_stops_at_turn_end(tmp_pa
     train(cfg)
     run = Path(cfg.output_dir)
 
-    from leansft.core.generation import stop_token_ids
+    from leansft.core.inference.generation import stop_token_ids
     from leansft.recipe.export_run import load_source
 
     trained, tokenizer, template, _ = load_source(str(run))  # the newest checkpoint, LoRA merged
@@ -262,7 +262,7 @@ def test_lora_adapters_alone_export_loads_with_peft_and_stops_at_turn_end(tmp_pa
 
 
 def test_nan_loss_stops_naming_the_step(tmp_path, tiny_run_assets, monkeypatch):
-    from leansft.core import forward as step_mod
+    from leansft.core.model import forward as step_mod
 
     monkeypatch.setattr(step_mod.LossModule, "forward", lambda self, b: torch.tensor(float("nan"), requires_grad=True))
     with pytest.raises(LeanSFTError, match="at step 1"):

@@ -1,16 +1,13 @@
-"""``python -m leansft`` and the ``leansft`` command: the process settings for the commands that run the model
-(allocator, MKL kernels), then the CLI."""
+"""``python -m leansft`` and the ``leansft`` command. Only opt-in process settings run before the CLI: glibc's malloc
+tunables (``cpu.malloc_tunables`` / ``LEANSFT_MALLOC=1``, ``core/cpu/malloc.py``), read by glibc at start."""
 
 import sys
 
-from leansft.core import mkl_kernels
-from leansft.tools.allocator import command, reexec_with_malloc_settings
+from leansft.core.cpu.malloc import reexec_with_malloc_settings
 
 
 def main() -> int:
-    reexec_with_malloc_settings(sys.argv[1:])  # allocator.COMMANDS, before torch: glibc reads them at start
-    if command(sys.argv[1:]) in mkl_kernels.COMMANDS:  # the model's products under the kernels training uses
-        mkl_kernels.load_shim()  # before torch is imported too: MKL's AVX-512 kernels on AVX-512 CPUs not by Intel
+    reexec_with_malloc_settings(sys.argv[1:])  # returns at once unless asked for, before torch is imported
     from leansft.tools.cli import main as cli
 
     return cli()

@@ -134,10 +134,6 @@ class TrainingConfig(_Strict):
                                                       "with bf16 matrix units (AMX / AVX512-BF16), else fp32")
     compile: bool | Literal["auto"] = Field("auto", description="torch.compile each decoder layer (one compiled "
                                             "graph reused by every layer); auto: on CUDA only")
-    fused_layers: bool = Field(True, description="on the CPU, uncompiled: Llama-style RMSNorm, rotary embedding and "
-                               "plain LoRA linear layers as autograd Functions with fewer memory passes, and fp32 "
-                               "linear layers through oneDNN on AVX-512 CPUs not made by Intel (the same values to "
-                               "fp32 rounding)")
     gradient_checkpointing: bool = False
     activation_offloading: bool = False
     loss_chunk_size: int = Field(1024, gt=0)
@@ -184,6 +180,20 @@ class LoggingConfig(_Strict):
     peak_flops: float | None = Field(None, gt=0, description="device peak FLOP/s for MFU when not known")
 
 
+class CPUConfig(_Strict):
+    """CPU-only speed-ups (``core/cpu/``): off by default, never used on an accelerator, the same values either way
+    (to fp32 rounding). They were measured on the development hosts' CPUs; users train on GPUs."""
+
+    fused_layers: bool = Field(False, description="uncompiled runs: Llama-style RMSNorm, rotary embedding and plain "
+                               "LoRA linear layers as autograd Functions with fewer memory passes (replaces "
+                               "transformers' and peft's forward for the run)")
+    bf16_head: bool = Field(False, description="under bf16 autocast: the loss head's matmuls with bf16 inputs "
+                            "(oneDNN's bf16 mode, or bf16 gradient products where it does not engage); logits and "
+                            "loss stay fp32")
+    malloc_tunables: bool = Field(False, description="train/eval/doctor re-execute once with glibc malloc keeping "
+                                  "freed memory (fewer page faults; also LEANSFT_MALLOC=1)")
+
+
 class DistributedConfig(_Strict):
     strategy: Literal["ddp", "fsdp"] = "ddp"
 
@@ -201,6 +211,7 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    cpu: CPUConfig = Field(default_factory=CPUConfig)
 
     @model_validator(mode="after")
     def _qlora_fits(self):
@@ -261,6 +272,8 @@ ALIASES: dict[str, str] = {
     "save_steps": "checkpoint.save_every", "save_total_limit": "checkpoint.keep_last",
     "eval_steps": "eval.eval_every", "logging_steps": "logging.log_every",
 }
+# Keys that moved: old dotted key -> new (configs and checkpoints written before the move still load).
+MOVED: dict[str, str] = {"training.fused_layers": "cpu.fused_layers"}
 # Values other tools use for ours.
 VALUE_ALIASES: dict[str, dict] = {
     "training.schedule": {"constant_with_warmup": "constant", "cosine_with_warmup": "cosine"},
@@ -287,6 +300,10 @@ def _apply_aliases(tree: dict, file: str | None) -> None:
         if "." in target and isinstance(tree.get(section), dict) and alias in tree[section] \
                 and alias != target.split(".", 1)[1]:
             found.append((tree[section], alias, target))
+    for old, new in MOVED.items():
+        section, key = old.rsplit(".", 1)
+        if isinstance(tree.get(section), dict) and key in tree[section]:
+            found.append((tree[section], key, new))
     for node, alias, target in found:
         value = node.pop(alias)
         value = VALUE_ALIASES.get(target, {}).get(value, value) if isinstance(value, str) else value
@@ -329,7 +346,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
             raise ConfigError(f"override '{item}' is not key=value", field=item)
         key, raw = item.split("=", 1)
         key = key.strip()
-        key = ALIASES.get(key, key)
+        key = MOVED.get(key, ALIASES.get(key, key))
         value = yaml.safe_load(raw) if raw != "" else ""
         value = VALUE_ALIASES.get(key, {}).get(value, value) if isinstance(value, str) else value
         _set_dotted(tree, key, value)

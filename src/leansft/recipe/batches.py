@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from leansft.core.collate import PackedBatch, PaddedBatch, collate_padded, collate_rows, micro_batches
+from leansft.core.batching.collate import PackedBatch, PaddedBatch, collate_padded, collate_rows, micro_batches
+from leansft.core.batching.packing import PACKED, PackPlan, deal_to_ranks, pack
 from leansft.core.config import BatchingConfig
 from leansft.core.data.dataset import TokenizedDataset
-from leansft.core.packing import PACKED, PackPlan, deal_to_ranks, pack
 
 
 @dataclass

@@ -14,21 +14,20 @@ import time
 import numpy as np
 import torch
 
-from leansft.core import parallel
-from leansft.core.attention import choose_backend, use_packed_attention, use_plain_attention
-from leansft.core.bf16_base import store_base_in_bf16
-from leansft.core.collate import collate_packed, collate_padded
-from leansft.core.compile import compile_layers, eager, wants_compile
+from leansft.core import cpu, distributed
+from leansft.core.batching.collate import collate_packed, collate_padded
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
-from leansft.core.forward import hidden_states
-from leansft.core.fused_layers import fuse_layers, restore_rotary
-from leansft.core.head import read_output_head
-from leansft.core.models import apply_lora, load_model, resolve_model_path, trainable_parameters
+from leansft.core.model.attention import choose_backend, use_packed_attention, use_plain_attention
+from leansft.core.model.bf16_base import store_base_in_bf16
+from leansft.core.model.compile import compile_layers, eager, wants_compile
+from leansft.core.model.forward import hidden_states
+from leansft.core.model.head import read_output_head
+from leansft.core.model.loading import apply_lora, load_model, resolve_model_path, trainable_parameters
+from leansft.core.model.qlora import load_quantised
+from leansft.core.model.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.core.paths import cache_dir
-from leansft.core.quant import load_quantised
-from leansft.core.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.recipe.batches import Batcher
 
 log = logging.getLogger("leansft")
@@ -43,7 +42,7 @@ def seed_everything(seed: int) -> None:
 
 
 def pick_device() -> torch.device:
-    return torch.device("cuda", parallel.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", distributed.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def cpu_has_bf16_units() -> bool:
@@ -75,13 +74,13 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 def model_location(cfg: RunConfig) -> str:
     """The model folder to load (``pkg:`` and .gguf resolved; rank 0 converts a GGUF first)."""
-    with parallel.rank_zero_first():
+    with distributed.rank_zero_first():
         return resolve_model_path(cfg.model, cache_dir(cfg.data.cache_dir))
 
 
 def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: str | None = None):
     """The model in fp32 on ``device``, with gradient checkpointing, LoRA, compiled layers (``training.compile``)
-    or, on the CPU, fused ones (``training.fused_layers``), and the attention backend set.
+    or, on the CPU and where opted in, fused ones (``cpu.fused_layers``), and the attention backend set.
     Returns (model, attention backend)."""
     t = cfg.training
     if t.method == "qlora":  # 4-bit base, loaded onto the device (bitsandbytes quantises as it places weights)
@@ -106,12 +105,10 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
     # off (a LoRA-wrapped model came back in training mode, a plain one did not: full fine-tuning trained in eval).
     model.train().to(device)
     read_output_head(model)  # measured once here, on the plain model, before any wrapping
-    if wants_compile(t.compile, device, cfg.distributed.strategy, parallel.world_size()):
+    compiled = wants_compile(t.compile, device, cfg.distributed.strategy, distributed.world_size())
+    if compiled:
         compile_layers(model, fall_back=t.compile == "auto")
-    elif t.fused_layers and device.type == "cpu":
-        fuse_layers(model, keep_weight_casts=not t.gradient_checkpointing)
-    else:
-        restore_rotary()
+    cpu.switch_on(model, cfg.cpu, device, compiled=compiled, gradient_checkpointing=t.gradient_checkpointing)
     if not packed:  # padded batches: the model's own, padding-aware attention
         return model, model.config._attn_implementation
     backend = choose_backend(device, cfg.training.attention,
@@ -121,7 +118,7 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
 
 
 def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int) -> str:
-    """Check the run's forward and loss against the plain model before step 1 (``leansft.core.verify``);
+    """Check the run's forward and loss against the plain model before step 1 (``leansft.core.model.verify``);
     return the batching strategy to train with (the configured one, or ``sorted`` as the exact fallback,
     logged), or raise a clear error."""
     check_vocabulary(model, data)
@@ -146,11 +143,11 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int) -
 def store_frozen_base(cfg: RunConfig, model, data: TokenizedDataset, strategy: str, pad: int,
                       device: torch.device, amp: torch.dtype | None) -> int:
     """LoRA under bf16 autocast: the frozen base's linear weights stored in bf16 where the run's forward on the
-    first example stays bitwise the same (``core/bf16_base.py``); returns how many layers changed."""
+    first example stays bitwise the same (``core/model/bf16_base.py``); returns how many layers changed."""
     t = cfg.training
     if (t.method != "lora" or amp != torch.bfloat16 or not t.lora.bf16_base or t.lora.use_dora
             or t.lora.init not in ("default", "gaussian") or len(data) == 0
-            or (parallel.world_size() > 1 and cfg.distributed.strategy == "fsdp")):
+            or (distributed.world_size() > 1 and cfg.distributed.strategy == "fsdp")):
         return 0
     n = np.array([min(int(data.lengths[0]), PROBE_TOKENS)])
     first = np.zeros(1, dtype=np.int64)

@@ -1,6 +1,6 @@
 """When to save, what a run's state is, and where a run resumes from.
 
-The checkpoint files themselves are written and verified by ``leansft.core.checkpoint``; here:
+The checkpoint files themselves are written and verified by ``leansft.core.io.checkpoint_files``; here:
 ``resume_point`` picks the checkpoint (and the accumulation that keeps its global step on another world
 size), and the Checkpointer decides "save now?" (every ``save_every`` steps and when the run ends or is
 stopped), saves the loop's state with the evaluator's, and keeps the last/best ones.
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from leansft.core import checkpoint as ckpt
-from leansft.core import mkl_kernels, parallel
+from leansft.core import distributed
 from leansft.core.config import RunConfig
 from leansft.core.errors import LeanSFTError
+from leansft.core.io import checkpoint_files as ckpt
 from leansft.recipe.batches import Position
 from leansft.recipe.throughput import StepCounts
 from leansft.recipe.trackers import flatten
@@ -33,7 +33,7 @@ log = logging.getLogger("leansft")
 CHANGEABLE_ON_RESUME = (
     "trust_remote_code", "eval.", "checkpoint.", "logging.", "distributed.", "batching.gradient_accumulation",
     "training.max_steps", "training.epochs",
-    "training.precision", "training.compile", "training.fused_layers", "training.gradient_checkpointing",
+    "cpu.", "training.precision", "training.compile", "training.fused_layers", "training.gradient_checkpointing",
     "training.activation_offloading", "training.loss_chunk_size", "training.loss_backend", "training.attention",
     "training.verify", "training.loss_spike_factor", "training.max_grad_norm", "training.neftune_noise_alpha",
     "training.lora.bf16_base", "training.lora.merge_on_export", "training.qlora.compute_dtype",
@@ -117,11 +117,6 @@ class Checkpointer:
         self._check_config(path)
         saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler)
         self._check_data(path, saved.get("data_fingerprint"))
-        kernels = self._kernels()
-        if saved.get("fp32_kernels") not in (None, kernels):
-            log.warning("the checkpoint was trained with fp32 kernels %s and this process runs %s "
-                        "(core/mkl_kernels.py): the run continues, not bit for bit as it would have",
-                        saved["fp32_kernels"], kernels)
         log.info("resumed from %s at step %d", path, saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
                            **{k: saved[k] for k in ("tokens_seen", "examples_seen", "target_tokens_seen")})
@@ -154,24 +149,20 @@ class Checkpointer:
                 hint="resume with the data the run started with, or export the checkpoint (leansft export) and "
                      "start a new run from it in another output_dir")
 
-    def _kernels(self) -> str | None:
-        """The CPU's fp32 kernels where the model trains on the CPU (None on an accelerator)."""
-        return mkl_kernels.kernels() if next(self.root.parameters()).device.type == "cpu" else None
-
     def should_save(self, step: int, done: bool) -> bool:
         every = self.cfg.checkpoint.save_every
         return done or bool(every and step % every == 0)
 
     def save(self, state: TrainState, evaluator: dict) -> None:
         """Rank 0 writes (every rank takes part when the checkpoint is sharded), then old ones are pruned."""
-        if not self.sharded and parallel.rank() != 0:
+        if not self.sharded and distributed.rank() != 0:
             return
         extra = state.as_dict()
         step = extra.pop("step")
         extra.update(eval_loss=evaluator.get("last_eval_loss"), evaluator=evaluator,
                      gradient_accumulation=self.cfg.batching.gradient_accumulation,
-                     data_fingerprint=self.data_fingerprint, fp32_kernels=self._kernels())
+                     data_fingerprint=self.data_fingerprint)
         ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra, self.config_dict,
                              self.sharded)
-        if parallel.rank() == 0:
+        if distributed.rank() == 0:
             ckpt.prune(self.folder, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)

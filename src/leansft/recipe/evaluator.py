@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from leansft.core import parallel
-from leansft.core.evaluation import evaluate
-from leansft.core.generation import generate
+from leansft.core import distributed
+from leansft.core.inference.generation import generate
+from leansft.core.inference.heldout_loss import evaluate
 
 log = logging.getLogger("leansft")
 
@@ -106,7 +106,7 @@ class Evaluator:
             answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
                                max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
                                seed=self.cfg.training.seed)
-        if parallel.rank() == 0:
+        if distributed.rank() == 0:
             with (self.out / "samples.jsonl").open("a") as fh:
                 for p, a in zip(prompts, answers):
                     text = p if isinstance(p, str) else self.prep.tokenizer.decode(p) if not isinstance(p[0], dict) \

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import torch
 
-from leansft.core import checkpoint as ckpt
 from leansft.core.config import load_config
 from leansft.core.data.masking import ChatTemplate, resolve_template
 from leansft.core.data.tokenizer import load_tokenizer
 from leansft.core.errors import LeanSFTError
-from leansft.core.export import export
-from leansft.core.forward import LossModule
-from leansft.core.generation import stop_token_ids
-from leansft.core.gguf_export import export_gguf
-from leansft.core.models import load_model, merged_plain_model, resolve_model_path
+from leansft.core.gguf.write import export_gguf
+from leansft.core.inference.generation import stop_token_ids
+from leansft.core.io import checkpoint_files as ckpt
+from leansft.core.io.hf_export import export
+from leansft.core.model.forward import LossModule
+from leansft.core.model.loading import load_model, merged_plain_model, resolve_model_path
+from leansft.core.model.qlora import dequantised_base
 from leansft.core.paths import default_cache_dir
-from leansft.core.quant import dequantised_base
 from leansft.recipe.builders import build_model, model_location
 
 log = logging.getLogger("leansft")

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leansft.core import parallel
-from leansft.core.flops import attended_squares, device_peak_flops, peak_memory_bytes, step_flops, token_flops
+from leansft.core import distributed
+from leansft.core.metrics.flops import attended_squares, device_peak_flops, peak_memory_bytes, step_flops, token_flops
 
 
 @dataclass
@@ -68,7 +68,7 @@ class ThroughputWindow:
             local[4] += step_flops(self.body_flops, self.layers, self.hidden, b.real_tokens, attended_squares(b),
                                    self.head_flops, b.target_tokens)
             local[5] += b.target_weight
-        total = parallel.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device), self.device)
+        total = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device), self.device)
         t, r, s, e, f, w = total.tolist()
         step = StepCounts(int(t), w, int(r), int(s), int(e), f)
         self.counts += step

@@ -22,21 +22,20 @@ import torch
 import yaml
 from torch.profiler import record_function
 
-from leansft.core import mkl_kernels, parallel
-from leansft.core.bf16_base import holds_bf16_base
+from leansft.core import cpu, distributed
 from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
 from leansft.core.data.prepare import PreparedData, prepare_data
 from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import LeanSFTError
-from leansft.core.export import export, gather_full_weights
-from leansft.core.forward import LossModule
-from leansft.core.grad_clip import clip_gradients
-from leansft.core.loss import normalise
-from leansft.core.models import merged_plain_model, trainable_parameters
-from leansft.core.neftune import NEFTune
-from leansft.core.quant import dequantised_base
-from leansft.core.tied_embedding import share_tied_gradient
-from leansft.core.verify import check_position_table
+from leansft.core.io.hf_export import export, gather_full_weights
+from leansft.core.model.bf16_base import holds_bf16_base
+from leansft.core.model.forward import LossModule
+from leansft.core.model.grad_clip import clip_gradients
+from leansft.core.model.loading import merged_plain_model, trainable_parameters
+from leansft.core.model.loss import normalise
+from leansft.core.model.neftune import NEFTune
+from leansft.core.model.qlora import dequantised_base
+from leansft.core.model.verify import check_position_table
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -99,7 +98,7 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int,
     e = engine
     loss_total = torch.zeros((), device=e.device)
     for i, b in enumerate(batches):
-        sync = parallel.no_sync(e.loss_module) if i < len(batches) - 1 else contextlib.nullcontext()
+        sync = distributed.no_sync(e.loss_module) if i < len(batches) - 1 else contextlib.nullcontext()
         with sync, e.offload, torch.autocast(e.device.type, dtype=e.amp, enabled=e.amp is not None):
             with record_function("forward+loss"):
                 loss_sum = e.loss_module(b.to(e.device))
@@ -111,7 +110,7 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int,
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
     # The step's one host sync: loss, stop request and gradient norm together, before the update is applied.
     requested = torch.tensor(float(stop is not None and stop.requested), device=e.device)
-    loss_sum, stops = parallel.all_reduce_sum(torch.stack([loss_total, requested]), e.device)
+    loss_sum, stops = distributed.all_reduce_sum(torch.stack([loss_total, requested]), e.device)
     loss, grad_norm, stops = torch.stack([loss_sum / (step_targets or 1.0), norm.to(e.device, torch.float32),
                                           stops]).tolist()
     if not math.isfinite(loss):
@@ -127,14 +126,11 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int,
 
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
     """Run training as configured; returns the last logged record plus ``stopped`` (by a signal)."""
-    parallel.init()
+    distributed.init()
     run = RunTotals()
     cfg = cfg.model_copy(deep=True)  # strategy/accumulation may change below; the caller's config stays as given
-    rank, world, device, out = parallel.rank(), parallel.world_size(), pick_device(), check_output_dir(cfg.output_dir)
+    rank, world, device, out = distributed.rank(), distributed.world_size(), pick_device(), check_output_dir(cfg.output_dir)
     resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world)
-    if device.type == "cpu" and mkl_kernels.note():
-        mkl_kernels.check_products()  # MKL's AVX-512 code on a CPU Intel did not validate it on: checked first
-        log.info("fp32 matmuls (MKL): %s", mkl_kernels.note())
     seed_everything(cfg.training.seed)
     model_path = model_location(cfg)
     data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,
@@ -151,10 +147,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                       rank, world)
     total_steps = count_steps(cfg, batcher)
     neftune = NEFTune(model, cfg.training.neftune_noise_alpha) if cfg.training.neftune_noise_alpha else None
-    tied = cfg.training.loss_backend == "chunked" and share_tied_gradient(model, device, world)
-    loss_module = parallel.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune,
-                                           tied_gradient=tied),
-                                cfg.distributed.strategy, device, mixed_precision=amp is not None)
+    loss_module = distributed.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune,
+                                              cpu.head_precision(cfg.cpu, device, amp)),
+                                   cfg.distributed.strategy, device, mixed_precision=amp is not None)
     sharded = world > 1 and cfg.distributed.strategy == "fsdp"
     engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
     checkpointer = Checkpointer(cfg, out, loss_module, engine.optimizer, engine.scheduler, sharded,
@@ -203,13 +198,13 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     metrics.write(run.record(state.step))  # the run's totals: wall time, time in steps, run-average rates
     if rank == 0:
         finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stopped)
-    parallel.barrier()
+    distributed.barrier()
     return {**(last or {}), "stopped": stopped}
 
 
 def log_data(data: PreparedData, max_length: int) -> None:
     """What the run trains on, and a warning when cutting at max_length loses answer tokens."""
-    if parallel.rank() != 0:
+    if distributed.rank() != 0:
         return
     log.info("data: %s", data.summary())
     lost = data.lost_target_share() if data.report.truncated else 0.0
@@ -232,7 +227,7 @@ def check_output_dir(path: str) -> Path:
 
 def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int) -> None:
     """Rank 0 writes the resolved config and data report; logs restart with a fresh run or resume at ``step``."""
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         (out / "data_report.json").write_text(json.dumps(data.report.as_dict(), indent=1))
@@ -241,7 +236,7 @@ def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int) -
                 (out / log_file).unlink(missing_ok=True)
             else:
                 truncate_jsonl(out / log_file, step)
-    parallel.barrier()
+    distributed.barrier()
 
 
 def finish_run_folder(cfg: RunConfig, out: Path, trackers: Trackers, exported: bool) -> None:
@@ -267,7 +262,7 @@ def log_record(metrics: MetricsLog, evaluator: Evaluator, record: dict | None, s
     if record is None:
         return None
     metrics.write(record)
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         evaluator.print_record(record)
     return record
 
@@ -277,9 +272,9 @@ def export_final(cfg: RunConfig, model, loss_module, sharded: bool, data: Prepar
     """A plain Hugging Face folder at OUTPUT_DIR/final (FSDP: shards gathered into a copy on rank 0)."""
     plain = model
     if sharded:
-        plain = build_model(cfg, torch.device("cpu"), True, model_path)[0] if parallel.rank() == 0 else None
+        plain = build_model(cfg, torch.device("cpu"), True, model_path)[0] if distributed.rank() == 0 else None
         gather_full_weights(loss_module, plain)  # a collective: every rank
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         if cfg.training.method == "qlora" and cfg.training.lora.merge_on_export:  # merged against the 4-bit weights
             plain = merged_plain_model(plain, model_path, cfg.training.lora, cfg.trust_remote_code,
                                        dequantised_base(plain))
@@ -298,5 +293,5 @@ def main_train(cfg: RunConfig, resume: str | None) -> int:
     try:
         result = train(cfg, resume)
     finally:
-        parallel.shutdown()
+        distributed.shutdown()
     return EXIT_STOPPED if result.get("stopped") else 0

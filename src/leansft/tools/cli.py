@@ -17,7 +17,6 @@ from typing import get_args
 
 from pydantic import ValidationError
 
-from leansft.core import mkl_kernels
 from leansft.core.config import (
     BatchingConfig,
     DataConfig,
@@ -131,7 +130,7 @@ def cmd_plan(args) -> int:
 
 
 def _memory(args, tokens: int) -> dict:
-    from leansft.core.models import load_model_config
+    from leansft.core.model.loading import load_model_config
     from leansft.tools.memory import ModelShape, estimate_memory
 
     shape = ModelShape.from_config(load_model_config(args.model))
@@ -171,9 +170,9 @@ def cmd_show_mask(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from leansft.core.attention import VARLEN, use_packed_attention
     from leansft.core.data.prepare import prepare_data
-    from leansft.core.evaluation import evaluate
+    from leansft.core.inference.heldout_loss import evaluate
+    from leansft.core.model.attention import VARLEN, use_packed_attention
     from leansft.recipe.builders import autocast_dtype, model_location
 
     model, _, _, cfg = _source(args)
@@ -187,8 +186,6 @@ def cmd_eval(args) -> int:
     result = evaluate(model, prep.train, args.max_length,
                       max(args.max_length, default(BatchingConfig, "tokens_per_micro_batch")), autocast_dtype=amp)
     result["eval_precision"] = "bf16 autocast" if amp is not None else "fp32"
-    if next(model.parameters()).device.type == "cpu":  # a loss to compare with: which fp32 kernels computed it
-        result["fp32_kernels"] = mkl_kernels.kernels()
     print(f"eval loss {result['eval_loss']:.4f}  perplexity {result['eval_perplexity']:.3f}  "
           f"token accuracy {result['eval_token_accuracy']:.2%}  over {result['eval_targets']:,} target tokens  "
           f"({result['eval_precision']})")
@@ -244,7 +241,7 @@ def _sampling(args) -> dict:
 
 
 def cmd_generate(args) -> int:
-    from leansft.core.generation import generate
+    from leansft.core.inference.generation import generate
 
     model, tok, template = _inference(args)
     for prompt in args.prompt:
@@ -254,7 +251,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from leansft.core.generation import generate
+    from leansft.core.inference.generation import generate
 
     model, tok, template = _inference(args)
     history: list[dict] = []
@@ -417,10 +414,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     try:
-        mkl_kernels.check_products()  # where `python -m leansft` loaded MKL's AVX-512 kernels: checked before use
-        # which fp32 kernels the model's products run (train logs it itself, doctor reports it as a check)
-        if args.command in mkl_kernels.COMMANDS - {"train", "doctor"} and mkl_kernels.note():
-            logging.getLogger("leansft").info("fp32 matmuls (MKL): %s", mkl_kernels.note())
         return int(args.func(args) or 0)
     except LeanSFTError as err:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank stops; one says why

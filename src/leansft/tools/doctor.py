@@ -17,20 +17,25 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from leansft.core import mkl_kernels
-from leansft.core.attention import use_plain_attention
-from leansft.core.bf16_base import holds_bf16_base
-from leansft.core.collate import collate_packed, collate_padded
+from leansft.core.batching.collate import collate_packed, collate_padded
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.prepare import prepare_data
 from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import DataError, LeanSFTError, TemplateError
-from leansft.core.flops import attended_squares, device_peak_flops, step_flops, token_flops
-from leansft.core.forward import LossModule
-from leansft.core.generation import stop_token_ids
-from leansft.core.loss import normalise
-from leansft.core.memtrack import TensorMemoryTracker
-from leansft.core.verify import check_position_table, check_vocabulary, choose_strategy, probe_segments, verify_model
+from leansft.core.inference.generation import stop_token_ids
+from leansft.core.metrics.flops import attended_squares, device_peak_flops, step_flops, token_flops
+from leansft.core.metrics.memtrack import TensorMemoryTracker
+from leansft.core.model.attention import use_plain_attention
+from leansft.core.model.bf16_base import holds_bf16_base
+from leansft.core.model.forward import LossModule
+from leansft.core.model.loss import normalise
+from leansft.core.model.verify import (
+    check_position_table,
+    check_vocabulary,
+    choose_strategy,
+    probe_segments,
+    verify_model,
+)
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -96,7 +101,7 @@ def check_template(tok, template, data, report: dict) -> Check:
 
 
 def check_isolation_and_loss(cfg: RunConfig, model, data, pad: int) -> tuple[list[Check], str | None]:
-    """The run's forward and loss against the plain Hugging Face model (``leansft.core.verify``): the
+    """The run's forward and loss against the plain Hugging Face model (``leansft.core.model.verify``): the
     same check train runs before step 1, reported with its numbers; and the batching strategy train takes
     from it (the configured one, ``sorted`` as its fallback, or None where train refuses)."""
     packed = cfg.batching.strategy in PACKED_STRATEGIES
@@ -262,9 +267,6 @@ def run_checks(cfg: RunConfig) -> list[Check]:
               check_truncation(full.lengths, full.target_counts, cfg.data.max_length)]
     sample = full.select(np.arange(min(SAMPLE, len(full))), max_length=cfg.data.max_length)
     device = pick_device()
-    if device.type == "cpu" and mkl_kernels.note():  # `leansft doctor` runs under the kernels `leansft train` will
-        checks.append(Check("fp32 kernels", "PASS", f"MKL: {mkl_kernels.note()}",
-                            {"fp32_kernels": mkl_kernels.kernels()}))
     model, _ = build_model(cfg, device, True, model_path)
     amp = autocast_dtype(cfg.training.precision, device)
     for name, check in (("vocabulary", lambda: check_vocabulary(model, full)),

@@ -4,7 +4,7 @@ The model is described by its transformers config (hidden size, layers, heads, v
 Numbers are bytes. It is an estimate: allocator slack and framework buffers are not included.
 
 It describes what ``leansft train`` runs: every weight in fp32 (but QLoRA's 4-bit linear layers, and LoRA's
-frozen linear layers under bf16, stored in bf16: ``core/bf16_base.py``), and ``precision: bf16`` as autocast, so
+frozen linear layers under bf16, stored in bf16: ``core/model/bf16_base.py``), and ``precision: bf16`` as autocast, so
 fp32 gradients and AdamW moments with no master copy, plus the bf16 copies autocast makes of fp32 weights
 (``weight_casts``) and the fp32 residual stream between layers.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from leansft.core.packing import STRATEGIES, pack
+from leansft.core.batching.packing import STRATEGIES, pack
 
 
 def length_stats(lengths: np.ndarray) -> dict[str, float]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from leansft.core import parallel
+from leansft.core import distributed
 from leansft.core.config import DataConfig, SourceConfig
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 from leansft.core.data.shards import EXAMPLE_FILES, TOKEN_FILES, prepare_source
@@ -264,7 +264,7 @@ def load_source(
 def _warn_skipped(meta: dict) -> None:
     """Rows ``on_bad_row: skip`` left out are data the user meant to train on: said on every load, not only
     when the cache is written."""
-    if meta.get("bad_rows") and parallel.rank() == 0:
+    if meta.get("bad_rows") and distributed.rank() == 0:
         log.warning("%d rows skipped (data.on_bad_row: skip), e.g. %s", meta["bad_rows"],
                     meta["bad_row_examples"][0].split("\n")[0])
 

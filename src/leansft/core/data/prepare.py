@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from leansft.core import parallel
+from leansft.core import distributed
 from leansft.core.config import DataConfig, SourceConfig
 from leansft.core.data.dataset import PrepReport, TokenizedDataset, build_dataset
 from leansft.core.data.masking import ChatTemplate, resolve_template
@@ -83,7 +83,7 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
     tokenizer = load_tokenizer(tokenizer_spec, trust_remote_code)
     template = resolve_template(tokenizer, cfg.template)
     eval_data = None
-    with parallel.rank_zero_first():
+    with distributed.rank_zero_first():
         data, report = build_dataset(cfg, tokenizer, template, seed=seed, truncate=truncate)
         if holdout and cfg.eval_file:
             eval_data, _ = build_dataset(cfg, tokenizer, template, seed=seed,
@@ -92,7 +92,7 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
         data, eval_data = split_eval(data, cfg.eval_split, seed)
     elif eval_data is not None:
         shared = np.isin(eval_data.hashes, data.hashes)
-        if shared.any() and parallel.rank() == 0:
+        if shared.any() and distributed.rank() == 0:
             log.warning("%d of %d examples of eval_file %s are also in the training data (same conversation): "
                         "their held-out loss is not held out", int(shared.sum()), len(eval_data), cfg.eval_file)
     return PreparedData(tokenizer, template, data, eval_data, report)

@@ -9,7 +9,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from leansft.core.errors import ModelError
-from leansft.core.gguf_import import faithful_gguf_tokenizer
+from leansft.core.gguf.read import faithful_gguf_tokenizer
 from leansft.core.paths import resolve_package_path
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from leansft.core.batching.packing import PackPlan
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
-from leansft.core.packing import PackPlan
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import pre_tokenizers
 
 from leansft.core.errors import ModelError
-from leansft.core.gguf_export import llama3_rope_factors
+from leansft.core.gguf.write import llama3_rope_factors
 
 # llama.cpp pre-tokenizer names transformers' GGUF reader does not map (it splits as GPT-2 then), as the
 # models' own tokenizers split: SmolLM's digits one by one, then GPT-2's regex

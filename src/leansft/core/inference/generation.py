@@ -6,11 +6,11 @@ import contextlib
 
 import torch
 
-from leansft.core.attention import plain_attention
-from leansft.core.compile import eager
 from leansft.core.data.formats import Conversation
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 from leansft.core.errors import LeanSFTError
+from leansft.core.model.attention import plain_attention
+from leansft.core.model.compile import eager
 
 
 def stop_token_ids(tokenizer, template: ChatTemplate | None) -> list[int]:

@@ -8,24 +8,19 @@ full-width tensors forward and as many backward. Here each is one autograd Funct
 written out: the same values up to fp32 rounding (tests compare against the plain modules), 12-18% of a
 SmolLM2 LoRA step and 5-7% of the small Qwen2's on the dev CPU (benchmarks/README.md).
 
-On a CPU where oneDNN's fp32 matmuls beat MKL's (``core/onednn_linear.py``) plain ``nn.Linear`` layers and the
-fused LoRA's base product go through oneDNN too.
-
 Only code known to compute exactly this is replaced: an RMSNorm whose ``forward`` is Llama's, an
 ``apply_rotary_pos_emb``/``rotate_half`` pair that is Llama's (compared by syntax tree, so the many copies
 transformers ships match and Gemma's ``1 + weight`` norm or a partial rotary do not), and a peft
 ``lora.Linear`` over an ``nn.Linear`` with one adapter, no dropout, no DoRA-like variant and no bias on B.
 Anything else at call time (an fp16/bf16 weight, a rotary table that takes gradients, adapters merged or
 disabled, several active) runs the original code, as does anything torch.compile traces (the rotary
-function is replaced module-wide, and compiled layers fuse these ops anyway). ``plain_layers()`` runs the
+function is replaced module-wide, and compiled layers fuse these ops anyway). ``as_shipped()`` runs the
 original code in a block: verify-before-train's reference is the plain model.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
-import contextvars
 import functools
 import inspect
 import logging
@@ -36,23 +31,12 @@ import weakref
 
 import torch
 
-from leansft.core import onednn_linear
-from leansft.core.models import adapters_take_input_as_is
+from leansft.core.model.as_shipped import is_as_shipped
+from leansft.core.model.loading import adapters_take_input_as_is
 
 log = logging.getLogger("leansft")
 
-_PLAIN = contextvars.ContextVar("leansft_plain_layers", default=False)
 _REPLACED_ROTARY: set[str] = set()  # transformers modules whose apply_rotary_pos_emb is _rotary
-
-
-@contextlib.contextmanager
-def plain_layers():
-    """The original (Hugging Face / peft) code of every replaced layer for the duration of the block."""
-    token = _PLAIN.set(True)
-    try:
-        yield
-    finally:
-        _PLAIN.reset(token)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -113,13 +97,8 @@ class _LoraLinear(torch.autograd.Function):
         x2 = _cast_input(x, dtype).reshape(-1, x.shape[-1])
         a, b = lora_a.to(dtype), lora_b.to(dtype)
         xa = torch.mm(x2, a.t())
-        onednn = dtype == torch.float32 and onednn_linear.onednn_pays()  # the base product: ``core/onednn_linear.py``
-        if onednn:
-            out = onednn_linear.mm_t(x2, w, None if bias is None else bias.to(dtype))
-        else:
-            out = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
+        out = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
         out.addmm_(xa, b.t(), alpha=scale)
-        ctx.onednn = onednn
         ctx.save_for_backward(x2, xa, w, a, b)
         ctx.scale, ctx.x_shape = scale, x.shape
         return out.view(*x.shape[:-1], w.shape[0])
@@ -132,10 +111,7 @@ class _LoraLinear(torch.autograd.Function):
         ga = torch.mm(g_xa.t(), x2) if ctx.needs_input_grad[3] else None
         # (xa^T g2)^T, not g2^T xa: the BLAS runs this skinny product ~2x faster with the long side last
         gb = torch.mm(xa.t(), g2).t().mul_(ctx.scale) if ctx.needs_input_grad[4] else None
-        if ctx.needs_input_grad[0]:
-            gx = (onednn_linear.mm_t(g2, w.t()) if ctx.onednn else torch.mm(g2, w)).addmm_(g_xa, a).view(ctx.x_shape)
-        else:
-            gx = None
+        gx = torch.mm(g2, w).addmm_(g_xa, a).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         return gx, None, None, ga, gb, None
 
 
@@ -166,7 +142,10 @@ _WEIGHT_CASTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakK
 def _frozen_weight(module, dtype: torch.dtype) -> torch.Tensor | None:
     """The base weight of ``module`` cast to ``dtype`` as last time, while it is frozen and unchanged."""
     w = module.base_layer.weight
-    if module not in _KEEP_WEIGHT_CAST or w.requires_grad or w.dtype == dtype or type(w) is not torch.nn.Parameter:
+    if w.dtype == dtype:  # nothing to cast (``core/model/bf16_base.py`` may have stored the weight in bf16 since)
+        _WEIGHT_CASTS.pop(module, None)
+        return None
+    if module not in _KEEP_WEIGHT_CAST or w.requires_grad or type(w) is not torch.nn.Parameter:
         return None
     key = (dtype, w._version, w.data_ptr())
     held = _WEIGHT_CASTS.get(module)
@@ -176,14 +155,9 @@ def _frozen_weight(module, dtype: torch.dtype) -> torch.Tensor | None:
     return held[1]
 
 
-def forget_weight_casts() -> None:
-    """Drop every kept cast (``core/bf16_base.py`` replaces the weights they were made from)."""
-    _WEIGHT_CASTS.clear()
-
-
 def _as_shipped() -> bool:
-    """Run the original code: inside ``plain_layers()``, or while torch.compile traces (it fuses these itself)."""
-    return _PLAIN.get() or torch.compiler.is_compiling()
+    """Run the original code: inside ``as_shipped()`` (``core/model/as_shipped.py``), or while torch.compile traces (it fuses these itself)."""
+    return is_as_shipped() or torch.compiler.is_compiling()
 
 
 def _rms_norm_forward(module, x):
@@ -200,12 +174,6 @@ def _rotary(original, q, k, cos, sin, unsqueeze_dim=1):
             or torch.broadcast_shapes(k.shape, c.shape) != k.shape):
         return original(q, k, cos, sin, unsqueeze_dim)
     return _Rotary.apply(q, c, s), _Rotary.apply(k, c, s)
-
-
-def _linear_forward(module, x):
-    if _as_shipped() or not onednn_linear.applies(x, module.weight, module.bias):
-        return type(module).forward(module, x)
-    return onednn_linear.OneDNNLinear.apply(x, module.weight, module.bias)
 
 
 def _lora_forward(module, x, *args, **kwargs):
@@ -280,19 +248,11 @@ def fuse_layers(model, keep_weight_casts: bool = True) -> dict[str, int]:
     model of that architecture in the process (the replacement computes the same values).
     ``keep_weight_casts``: frozen LoRA base weights keep their autocast copy between steps (False under
     gradient checkpointing)."""
-    counts = {"rms_norm": 0, "rotary": 0, "lora_linear": 0, "linear": 0}
+    counts = {"rms_norm": 0, "rotary": 0, "lora_linear": 0}
     modelings = set()
-    onednn = onednn_linear.onednn_pays()
-    # Not through their own forward: an adapter's A and B, and the base of a LoRA layer fused below
-    # (its Function runs the base product itself).
-    inside = {id(p) for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "lora_B")
-              for p in [*m.lora_A.values(), *m.lora_B.values(), *([m.base_layer] if is_plain_lora_linear(m) else [])]}
     for m in model.modules():
         modelings.add(type(m).__module__)
-        if onednn and type(m) is torch.nn.Linear and id(m) not in inside:
-            m.forward = types.MethodType(_linear_forward, m)
-            counts["linear"] += 1
-        elif is_llama_rms_norm(m):
+        if is_llama_rms_norm(m):
             m.forward = types.MethodType(_rms_norm_forward, m)
             counts["rms_norm"] += 1
         elif is_plain_lora_linear(m):

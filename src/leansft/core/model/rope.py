@@ -8,7 +8,7 @@ other rotary angles than it has alone and at inference: silently other positions
 at 32 tokens: logits off by 6e-3 of their scale; the probe of verify-before-train is too short to see it).
 
 ``per_example_rope(model)`` wraps such a model's rotary modules. Inside ``batch_lengths(batch)`` (every leansft
-forward, ``core/forward.py``) a wrapped module computes cos/sin once per group of examples that choose alike,
+forward, ``core/model/forward.py``) a wrapped module computes cos/sin once per group of examples that choose alike,
 from the state a freshly loaded model has: longrope, the examples at or below the switch in one call and those
 above it in another; dynamic, those at or below in one call and each longer length in its own. Outside it
 (generation, the plain model in verify) the module runs as shipped. Other rotary types are left alone.

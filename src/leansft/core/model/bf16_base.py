@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from leansft.core.attention import decoder_of
-from leansft.core.fused_layers import forget_weight_casts
+from leansft.core.model.attention import decoder_of
 
 log = logging.getLogger("leansft")
 
@@ -49,14 +48,12 @@ def store_base_in_bf16(model, probe: Callable[[], torch.Tensor]) -> int:
             fp32 = [m.weight for m in modules]
             for m in modules:
                 m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
-            forget_weight_casts()  # the fused LoRA's cached casts of the fp32 weights: the weights are bf16 now
             same = torch.equal(before, probe())
     finally:
         model.train(was_training)
     if not same:
         for m, w in zip(modules, fp32, strict=True):
             m.weight = w
-        forget_weight_casts()
         log.warning("frozen base kept in fp32: this model's forward under bf16 autocast changes when its linear "
                     "weights are stored in bf16 (it uses a weight's dtype or a weight outside autocast)")
         return 0

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from leansft.core.errors import ModelError
-from leansft.core.gguf_import import complete_from_gguf
+from leansft.core.gguf.read import complete_from_gguf
 from leansft.core.paths import default_cache_dir, resolve_package_path
 
 log = logging.getLogger("leansft")
@@ -126,7 +126,7 @@ def merged_plain_model(trained, spec: str, lora_cfg, trust_remote_code: bool = F
     """A plain fp32 model: ``spec`` loaded afresh, ``base`` ((name, weight) pairs, copied in one at a time, from
     any device) put in place of its own weights, and the adapters of ``trained`` (a PEFT model) merged in by PEFT's
     own merge, so DoRA and rsLoRA merge as they trained. For a base the run held otherwise than as loaded: 4-bit
-    (QLoRA: ``base`` is ``quant.dequantised_base``) or bf16 (``core/bf16_base.py``: no ``base``, the adapters merge
+    (QLoRA: ``base`` is ``quant.dequantised_base``) or bf16 (``core/model/bf16_base.py``: no ``base``, the adapters merge
     into the fp32 weights as loaded)."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from leansft.core.errors import ModelError
-from leansft.core.generation import stop_token_ids
+from leansft.core.inference.generation import stop_token_ids
 
 
 def gather_full_weights(sharded_root: torch.nn.Module, plain: torch.nn.Module | None) -> None:

@@ -25,16 +25,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from leansft.core.attention import HALF_ONLY, PACKED_SAFE, plain_attention
-from leansft.core.compile import eager
-from leansft.core.collate import PackedBatch, PaddedBatch
+from leansft.core.batching.collate import PackedBatch, PaddedBatch
 from leansft.core.config import PACKED_STRATEGIES
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ModelError
-from leansft.core.forward import hidden_states, loss_of
-from leansft.core.fused_layers import plain_layers
-from leansft.core.head import OutputHead, read_output_head
+from leansft.core.model.as_shipped import as_shipped
+from leansft.core.model.attention import HALF_ONLY, PACKED_SAFE, plain_attention
+from leansft.core.model.compile import eager
+from leansft.core.model.forward import hidden_states, loss_of
+from leansft.core.model.head import OutputHead, read_output_head
 
 log = logging.getLogger("leansft")
 
@@ -146,7 +146,7 @@ def check_position_table(model, longest: int) -> None:
 def _reference(model, segments: list[np.ndarray], device) -> list[tuple[torch.Tensor, float]]:
     """(logits, summed loss) of each segment alone through the plain model and its own loss."""
     out = []
-    with plain_attention(model), eager(), plain_layers():  # the plain model: compiled/fused layers run as shipped
+    with plain_attention(model), eager(), as_shipped():  # the plain model: compiled/fused layers run as shipped
         for seg in segments:
             ids = torch.as_tensor(seg, device=device)[None]
             res = model(input_ids=ids, labels=ids, use_cache=False)

@@ -3,7 +3,7 @@
 Why regional: the layers are modules of one class whose parameters are graph inputs, so the code
 compiled for the first layer serves every layer (one compile, not one per layer, and far less than a
 whole-model compile). Packed attention stays outside the graph (its functions are
-``torch.compiler.disable``-d in ``core/attention.py``: per-segment SDPA loops over host-side
+``torch.compiler.disable``-d in ``core/model/attention.py``: per-segment SDPA loops over host-side
 boundaries), so each layer compiles to the fused projections, norms, rotary embedding, MLP and
 residuals around it. Shapes are dynamic: packed micro-batches vary in length, one graph serves all.
 
@@ -46,7 +46,7 @@ def wants_compile(setting: bool | str, device: torch.device, strategy: str, worl
 def compile_layers(model, fall_back: bool = False) -> int:
     """Compile every repeated decoder layer in place (state-dict keys unchanged); returns how many.
     ``fall_back``: a layer that fails to compile runs eagerly (dynamo's warning says why) instead of stopping."""
-    from leansft.core.attention import decoder_of
+    from leansft.core.model.attention import decoder_of
 
     layers = getattr(decoder_of(model), "layers", None)
     if not layers:

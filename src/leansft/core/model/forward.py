@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from leansft.core.attention import decoder_of, packed_forward
-from leansft.core.collate import PackedBatch, PaddedBatch
+from leansft.core.batching.collate import PackedBatch, PaddedBatch
 from leansft.core.errors import ConfigError, ModelError
-from leansft.core.head import read_output_head
-from leansft.core.loss import chunked_loss, liger_loss
-from leansft.core.per_example_rope import batch_lengths, per_example_rope
+from leansft.core.model.attention import decoder_of, packed_forward
+from leansft.core.model.head import read_output_head
+from leansft.core.model.loss import PLAIN, HeadPrecision, chunked_loss, liger_loss
+from leansft.core.model.rope import batch_lengths, per_example_rope
 
 
 def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
     """Final hidden states of every token; rotary embeddings that depend on the sequence length are computed
-    for each example as it runs alone (``core/per_example_rope.py``)."""
+    for each example as it runs alone (``core/model/rope.py``)."""
     per_example_rope(model)
     with batch_lengths(batch):
         if isinstance(batch, PackedBatch):
@@ -28,9 +28,9 @@ def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
 
 
 def loss_of(model, batch, hidden: torch.Tensor, chunk_size: int, backend: str = "chunked",
-            tied_gradient: bool = False) -> tuple[torch.Tensor, int]:
+            precision: HeadPrecision = PLAIN) -> tuple[torch.Tensor, int]:
     """(summed loss, targets) with the output layer as the model applies it (bias, scale, soft-capping).
-    ``tied_gradient``: the output weight's gradient goes into its ``.grad`` directly (``core/tied_embedding.py``)."""
+    ``precision``: the chunked head's matmul policy (``core/model/loss.py``)."""
     head = read_output_head(model)
     weight, bias = head.weight(model), head.bias(model)
     if backend == "liger":
@@ -43,7 +43,7 @@ def loss_of(model, batch, hidden: torch.Tensor, chunk_size: int, backend: str = 
                               "this model uses", field="training.loss_backend", hint="use loss_backend: chunked")
         return liger_loss(hidden, weight, batch.labels, batch.host_target_index())
     return chunked_loss(hidden, weight, batch.labels, chunk_size, head.softcap, bias, head.scale, batch.weights,
-                        weight_grad_in_place=tied_gradient, target_index=batch.host_target_index())
+                        target_index=batch.host_target_index(), precision=precision)
 
 
 class LossModule(torch.nn.Module):
@@ -53,15 +53,15 @@ class LossModule(torch.nn.Module):
     """
 
     def __init__(self, model, chunk_size: int = 1024, backend: str = "chunked", neftune=None,
-                 tied_gradient: bool = False) -> None:
+                 precision: HeadPrecision = PLAIN) -> None:
         super().__init__()
         self.model = model
         self.chunk_size, self.backend = chunk_size, backend
-        self.neftune = neftune  # NEFTune noise needs each token's example length (``core/neftune.py``)
-        self.tied_gradient = tied_gradient  # from ``core/tied_embedding.share_tied_gradient``
+        self.neftune = neftune  # NEFTune noise needs each token's example length (``core/model/neftune.py``)
+        self.precision = precision  # the head's matmul policy (``core/cpu/bf16_head.py`` where opted in)
 
     def forward(self, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
         if self.neftune is not None:
             self.neftune.set_batch(batch)
         hidden = hidden_states(self.model, batch)
-        return loss_of(self.model, batch, hidden, self.chunk_size, self.backend, self.tied_gradient)[0]
+        return loss_of(self.model, batch, hidden, self.chunk_size, self.backend, self.precision)[0]

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from leansft.core import parallel
+from leansft.core import distributed
 from leansft.core.errors import LeanSFTError
 
 log = logging.getLogger("leansft")
@@ -151,18 +151,18 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
     """
     final = folder / f"{PREFIX}{step}"
     tmp = folder / f".tmp-{PREFIX}{step}"
-    rank = parallel.rank()
+    rank = distributed.rank()
     try:
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         if sharded:
-            parallel.barrier()
+            distributed.barrier()
             model_sd = get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True))
             dcp.save({"model": model_sd, "optim": get_optimizer_state_dict(root, optimizer)},
                      checkpoint_id=str(tmp / "dcp"))
-            parallel.barrier()
+            distributed.barrier()
         if rank == 0:
             opt_meta = None
             if not sharded:
@@ -172,7 +172,7 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
             rng_tensors, rng_meta = _rng_state()
             write_safetensors(rng_tensors, tmp / "rng.safetensors")
             full_state = {**state, "step": step, "scheduler": scheduler.state_dict(), "optimizer": opt_meta,
-                          "rng": rng_meta, "sharded": sharded, "world_size": parallel.world_size()}
+                          "rng": rng_meta, "sharded": sharded, "world_size": distributed.world_size()}
             (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
             (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
             _write_manifest(tmp)
@@ -195,7 +195,7 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if sharded:
-        parallel.barrier()
+        distributed.barrier()
     return final
 
 

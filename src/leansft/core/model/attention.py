@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
-from leansft.core.collate import HostRead
+from leansft.core.batching.collate import HostRead
 from leansft.core.errors import ConfigError, ModelError
 
 log = logging.getLogger("leansft")
@@ -140,14 +140,14 @@ def _cut(sizes: list[int], chunk: int) -> list[int]:
     return [c for n in sizes for c in [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])]
 
 
-@torch.compiler.disable  # host-side boundaries: eager between compiled layer regions (``core/compile.py``)
+@torch.compiler.disable  # host-side boundaries: eager between compiled layer regions (``core/model/compile.py``)
 def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: q [B, H, T, D] -> out [B, T, H, D], per-example causal."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         raise ModelError(
             "packed attention called without cu_seq_lens: the examples in this sequence would attend to each "
-            "other", hint="run packed batches through leansft.core.attention.packed_forward (use_cache=False)",
+            "other", hint="run packed batches through leansft.core.model.attention.packed_forward (use_cache=False)",
         )
     if query.shape[0] != 1:
         raise ModelError(f"packed batches are one flat sequence; got batch size {query.shape[0]}")
@@ -374,7 +374,7 @@ def packed_forward(model, batch, use_cache: bool = False) -> torch.Tensor:
     if impl not in PACKED_SAFE:
         raise ModelError(
             f"attention implementation '{impl}' would let packed examples attend to each other",
-            hint="call leansft.core.attention.use_packed_attention(model, choose_backend(device)) first",
+            hint="call leansft.core.model.attention.use_packed_attention(model, choose_backend(device)) first",
         )
     if use_cache:
         raise ModelError("use_cache=True bypasses packed-sequence handling; packed forwards run without a cache")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from leansft.core.attention import plain_attention
+from leansft.core.model.attention import plain_attention
 
 PROBE_TOKENS = 12
 

@@ -27,7 +27,7 @@ import torch
 
 from leansft.core.config import GGUFDType
 from leansft.core.errors import LeanSFTError
-from leansft.core.gguf_pretokenizers import CHKTXT, PRE_TOKENIZERS
+from leansft.core.gguf.pretokenizers import CHKTXT, PRE_TOKENIZERS
 
 log = logging.getLogger("leansft")
 

@@ -12,13 +12,13 @@ import math
 import numpy as np
 import torch
 
-from leansft.core.attention import PACKED_SAFE
-from leansft.core.collate import collate_padded, collate_rows, micro_batches
+from leansft.core.batching.collate import collate_padded, collate_rows, micro_batches
+from leansft.core.batching.packing import bfd
 from leansft.core.data.dataset import TokenizedDataset
-from leansft.core.forward import hidden_states
-from leansft.core.head import read_output_head
-from leansft.core.loss import select_targets
-from leansft.core.packing import bfd
+from leansft.core.model.attention import PACKED_SAFE
+from leansft.core.model.forward import hidden_states
+from leansft.core.model.head import read_output_head
+from leansft.core.model.loss import select_targets
 
 
 @torch.no_grad()
