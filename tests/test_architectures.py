@@ -10,7 +10,7 @@ and it is then checked independently against the plain Hugging Face model:
   loss equal the model alone;
 - refused: the error names the architecture.
 
-The README's support table is generated from these verdicts: ``python tests/test_architectures.py``
+The support table in docs/packing.md is generated from these verdicts: ``python tests/test_architectures.py``
 rewrites it, and ``test_readme_support_table_is_current`` fails when it is stale.
 """
 
@@ -41,7 +41,7 @@ from leansft.core.model.verify import (
     verify_model,
 )
 
-README = Path(__file__).parents[1] / "README.md"
+README = Path(__file__).parents[1] / "docs" / "packing.md"
 VOCAB = 256
 ROW_TOKENS = 200  # packed micro-batches of this size: the far-in-the-row check (within max_position_embeddings)
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -246,10 +246,10 @@ def test_examples_past_a_rotary_models_context_train_with_a_warning(caplog):
 def test_readme_support_table_is_current():
     text = README.read_text()
     block = text[text.index(START) + len(START): text.index(END)].strip()
-    assert block == support_table(), "README support table is stale: run `python tests/test_architectures.py`"
+    assert block == support_table(), "docs/packing.md support table is stale: run `python tests/test_architectures.py`"
 
 
-if __name__ == "__main__":  # regenerate the README table from the verdicts
+if __name__ == "__main__":  # regenerate the docs/packing.md table from the verdicts
     text = README.read_text()
     new = text[: text.index(START) + len(START)] + "\n" + support_table() + "\n" + text[text.index(END):]
     README.write_text(new)

@@ -29,3 +29,14 @@ def test_every_core_folder_and_module_has_its_place_in_the_core_contract():
     present = {p.name for p in src.iterdir() if (p / "__init__.py").exists()}
     present |= {p.stem for p in src.glob("*.py") if p.stem != "__init__"}
     assert present == named, (present - named, named - present)
+
+
+def test_the_import_graph_in_the_design_doc_is_the_codes():
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import import_graph
+    finally:
+        sys.path.pop(0)
+    text = import_graph.DESIGN.read_text()
+    block = text[text.index(import_graph.START) + len(import_graph.START):text.index(import_graph.END)].strip()
+    assert block == import_graph.mermaid(), "docs/design.md import graph is stale: run `python docs/import_graph.py`"

@@ -56,4 +56,4 @@ def test_the_reference_sees_what_the_old_special_cases_missed(templates):
 def test_readme_template_table_is_current(verdicts):
     text = zoo.README.read_text()
     block = text[text.index(zoo.START) + len(zoo.START): text.index(zoo.END)].strip()
-    assert block == zoo.table(verdicts), "README template table is stale: run `python tests/zoo.py`"
+    assert block == zoo.table(verdicts), "docs/templates.md template table is stale: run `python tests/zoo.py`"

