@@ -161,3 +161,49 @@ def test_a_model_is_read_straight_onto_the_gpu(tmp_path):
     # buffers, imports) stay well under a quarter of it
     assert all(p.is_cuda and p.dtype == torch.float32 for p in model.parameters())
     assert rss() - before < fp32_bytes / 4
+
+
+def test_a_lora_run_reads_a_bf16_base_in_bf16_on_the_gpu(tmp_path, tiny_run_assets):
+    """A LoRA run on a model saved in bf16 never holds an fp32 copy of its base on the GPU: building the model
+    peaks at about 2 bytes a base parameter (an fp32 read: 4), the decoder's linear weights stay bf16, and the
+    run's forward passes verify-before-train under bf16 autocast."""
+    import subprocess
+    import sys
+
+    from leansft.core.config import load_config
+    from leansft.core.data.prepare import prepare_data
+    from leansft.core.data.tokenizer import pad_id
+    from leansft.recipe.builders import build_model, pick_device, verified_strategy
+
+    write = ("import sys, torch, transformers as tf\n"
+             "cfg = tf.Qwen2Config(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,"
+             " num_attention_heads=16, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)\n"
+             "tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", write, str(tmp_path / "m")], check=True)
+    peaks = {}
+    for low in (True, False):
+        cfg = load_config(None, [f"model={tmp_path / 'm'}", f"tokenizer={tiny_run_assets['model']}",
+                                 f"data.sources=[{tiny_run_assets['data']}]", f"data.cache_dir={tmp_path / 'c'}",
+                                 "data.max_length=192", "training.method=lora", "training.lora.r=8",
+                                 f"training.lora.bf16_base={low}", "training.precision=bf16", "training.compile=false"])
+        device = pick_device()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model, _ = build_model(cfg, device, True)
+        peaks[low] = torch.cuda.max_memory_allocated() - base
+        layers = model.base_model.model.model.layers
+        held = {m.weight.dtype for m in layers.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad}
+        assert held == ({torch.bfloat16} if low else {torch.float32})
+        if low:
+            data = prepare_data(cfg.data, cfg.tokenizer, seed=0)
+            assert verified_strategy(cfg, model, data.train, pad_id(data.tokenizer)) == "bfd"
+        n = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)  # ~0.49B
+        linear = sum(m.weight.numel() for m in layers.modules() if type(m) is torch.nn.Linear
+                     and not m.weight.requires_grad)
+        del model
+    # the decoder's linear weights in bf16, the rest (here a large share: a 32k vocabulary twice) in fp32
+    held = 2 * linear + 4 * (n - linear)
+    assert peaks[False] >= 0.95 * 4 * n and peaks[True] < 1.2 * held, (peaks, n, linear)
+    print(f"peak while building: bf16 read {peaks[True] / n:.2f} bytes/param ({held / n:.2f} held), "
+          f"fp32 read {peaks[False] / n:.2f}")

@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import tiny_model
 
+from leansft.core.cpu.bf16_head import bf16_head, onednn_bf16_mode_engages
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.metrics.memtrack import TensorMemoryTracker
 from leansft.core.model.attention import VARLEN, packed_forward, use_packed_attention
-from leansft.core.cpu.bf16_head import bf16_head, onednn_bf16_mode_engages
 from leansft.core.model.loss import chunked_loss, full_logits_loss, normalise
 
 

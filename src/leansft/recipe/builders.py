@@ -20,11 +20,17 @@ from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import LeanSFTError
 from leansft.core.model.attention import choose_backend, use_packed_attention, use_plain_attention
-from leansft.core.model.bf16_base import store_base_in_bf16
+from leansft.core.model.bf16_base import confirm_bf16_base, holds_bf16_base, load_base_in_bf16, store_base_in_bf16
 from leansft.core.model.compile import compile_layers, eager, wants_compile
 from leansft.core.model.forward import hidden_states
 from leansft.core.model.head import read_output_head
-from leansft.core.model.loading import apply_lora, load_model, resolve_model_path, trainable_parameters
+from leansft.core.model.loading import (
+    apply_lora,
+    load_model,
+    load_model_config,
+    resolve_model_path,
+    trainable_parameters,
+)
 from leansft.core.model.qlora import load_quantised
 from leansft.core.model.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.core.paths import cache_dir
@@ -78,6 +84,24 @@ def model_location(cfg: RunConfig) -> str:
         return resolve_model_path(cfg.model, cache_dir(cfg.data.cache_dir))
 
 
+def frozen_base_in_bf16(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether a LoRA run holds its frozen decoder linear weights in bf16 (``core/model/bf16_base.py``): under bf16
+    autocast, plain LoRA (no DoRA, no pissa/olora init), not sharded by FSDP."""
+    t = cfg.training
+    return (t.method == "lora" and t.lora.bf16_base and not t.lora.use_dora and t.lora.init in ("default", "gaussian")
+            and autocast_dtype(t.precision, device) == torch.bfloat16
+            and not (distributed.world_size() > 1 and cfg.distributed.strategy == "fsdp"))
+
+
+def reads_base_in_bf16(cfg: RunConfig, device: torch.device, spec: str) -> bool:
+    """On CUDA such a run reads a model saved in bf16 in bf16 (no whole fp32 copy of the base on the GPU), unless
+    modules are trained in full beside the adapters (peft copies them from the base)."""
+    if device.type != "cuda" or not frozen_base_in_bf16(cfg, device) or cfg.training.lora.modules_to_save:
+        return False
+    saved = getattr(load_model_config(spec, cfg.trust_remote_code), "dtype", None)
+    return saved in (torch.bfloat16, "bfloat16")
+
+
 def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: str | None = None):
     """The model in fp32 on ``device``, with gradient checkpointing, LoRA, compiled layers (``training.compile``)
     or, on the CPU and where opted in, fused ones (``cpu.fused_layers``), and the attention backend set.
@@ -90,9 +114,11 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=t.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
-        # read straight onto an accelerator; on the CPU, loaded where it trains anyway
-        model = load_model(model_path or cfg.model, torch.float32, trust_remote_code=cfg.trust_remote_code,
-                           device=device if device.type != "cpu" else None)
+        # read straight onto an accelerator (in bf16 where the run keeps its base so); on the CPU, loaded where it
+        # trains anyway
+        low = reads_base_in_bf16(cfg, device, model_path or cfg.model)
+        model = load_model(model_path or cfg.model, torch.bfloat16 if low else torch.float32,
+                           trust_remote_code=cfg.trust_remote_code, device=device if device.type != "cpu" else None)
         if t.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if t.gradient_checkpointing:
@@ -101,6 +127,9 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
         if t.gradient_checkpointing:
             model.enable_input_require_grads()
         model = apply_lora(model, t.lora)
+        if t.method == "lora" and low:
+            n = load_base_in_bf16(model)
+            log.info("frozen base read in bf16: %d linear layers as saved, the rest upcast to fp32", n)
     # from_pretrained returns eval mode, where dropout, NEFTune and transformers' gradient checkpointing are
     # off (a LoRA-wrapped model came back in training mode, a plain one did not: full fine-tuning trained in eval).
     model.train().to(device)
@@ -144,10 +173,7 @@ def store_frozen_base(cfg: RunConfig, model, data: TokenizedDataset, strategy: s
                       device: torch.device, amp: torch.dtype | None) -> int:
     """LoRA under bf16 autocast: the frozen base's linear weights stored in bf16 where the run's forward on the
     first example stays bitwise the same (``core/model/bf16_base.py``); returns how many layers changed."""
-    t = cfg.training
-    if (t.method != "lora" or amp != torch.bfloat16 or not t.lora.bf16_base or t.lora.use_dora
-            or t.lora.init not in ("default", "gaussian") or len(data) == 0
-            or (distributed.world_size() > 1 and cfg.distributed.strategy == "fsdp")):
+    if not frozen_base_in_bf16(cfg, device) or len(data) == 0:
         return 0
     n = np.array([min(int(data.lengths[0]), PROBE_TOKENS)])
     first = np.zeros(1, dtype=np.int64)
@@ -158,6 +184,8 @@ def store_frozen_base(cfg: RunConfig, model, data: TokenizedDataset, strategy: s
         with torch.autocast(device.type, dtype=amp), eager():
             return hidden_states(model, batch)
 
+    if holds_bf16_base(model):  # read in bf16 (``reads_base_in_bf16``): checked on its first layer
+        return confirm_bf16_base(model, probe)
     return store_base_in_bf16(model, probe)
 
 

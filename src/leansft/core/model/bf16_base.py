@@ -14,9 +14,11 @@ export merges the adapters into the base as loaded from the model, in fp32, not 
 
 from __future__ import annotations
 
+import json
 import logging
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -67,3 +69,70 @@ def store_base_in_bf16(model, probe: Callable[[], torch.Tensor]) -> int:
 def holds_bf16_base(model) -> bool:
     """Whether ``store_base_in_bf16`` changed ``model`` (its export then merges into the fp32 base as loaded)."""
     return model in _BF16_BASE
+
+
+def saved_in_bf16(path: str) -> bool:
+    """Whether the model folder's weights are saved in bf16 (its config.json's ``dtype``/``torch_dtype``): read
+    in bf16 and upcast, its other weights then hold bitwise what an fp32 load gives."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (cfg.get("dtype") or cfg.get("torch_dtype")) == "bfloat16"
+
+
+def _decoder_linears(model) -> list[torch.nn.Linear]:
+    layers = getattr(decoder_of(model), "layers", None) or []
+    return [m for layer in layers for m in layer.modules() if type(m) is torch.nn.Linear]
+
+
+def load_base_in_bf16(model) -> int:
+    """``model`` (LoRA applied) was read in bf16: every parameter and floating buffer back in fp32 except the
+    frozen linear weights of its decoder layers; returns how many stay bf16. The base is then held as
+    ``store_base_in_bf16`` would hold it, and ``confirm_bf16_base`` checks it before step 1."""
+    keep = {id(m.weight) for m in _decoder_linears(model) if not m.weight.requires_grad}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in keep and p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != torch.float32:
+                    module._buffers[name] = b.float()
+    _BF16_BASE.add(model)
+    return len(keep)
+
+
+def confirm_bf16_base(model, probe: Callable[[], torch.Tensor]) -> int:
+    """For a base read in bf16: the run's forward (``probe()``) with the first decoder layer's frozen linear weights
+    as fp32 (the values an fp32 load holds) and as bf16 must be bitwise the same, as ``store_base_in_bf16`` asks of
+    the whole model. Else every decoder linear weight is upcast to fp32 (a warning). Returns how many linear
+    layers stay in bf16 (0: upcast)."""
+    layers = getattr(decoder_of(model), "layers", None) or []
+    first = [m for m in layers[0].modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16] \
+        if len(layers) else []
+    if not first:
+        return 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            low = [m.weight for m in first]
+            for m in first:
+                m.weight = torch.nn.Parameter(m.weight.detach().float(), requires_grad=False)
+            before = probe()
+            for m, w in zip(first, low, strict=True):
+                m.weight = w
+            same = torch.equal(before, probe())
+    finally:
+        model.train(was_training)
+    if not same:
+        with torch.no_grad():
+            for m in _decoder_linears(model):
+                if m.weight.dtype == torch.bfloat16:
+                    m.weight = torch.nn.Parameter(m.weight.detach().float(), requires_grad=False)
+        _BF16_BASE.discard(model)
+        log.warning("frozen base upcast to fp32: this model's forward under bf16 autocast changes when its linear "
+                    "weights are held in bf16 (it uses a weight's dtype or a weight outside autocast)")
+        return 0
+    return sum(m.weight.dtype == torch.bfloat16 for m in _decoder_linears(model))

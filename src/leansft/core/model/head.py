@@ -69,10 +69,12 @@ def _measure(model) -> OutputHead:
     hook = module.register_forward_hook(lambda m, i, o: seen.append(o.detach()))
     device = next(model.parameters()).device
     ids = torch.arange(PROBE_TOKENS, device=device)[None] % model.config.get_text_config().vocab_size
+    # a base held in bf16 (``core/model/bf16_base.py``) runs under bf16 autocast, as the run's own forward does
+    low = any(p.dtype == torch.bfloat16 for p in model.parameters())
     was = model.training
     model.eval()
     try:
-        with plain_attention(model):
+        with plain_attention(model), torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
             final = model(input_ids=ids, use_cache=False).logits.float()
     except Exception as err:  # noqa: BLE001 - any failure means "cannot confirm the head"
         return OutputHead(softcap=softcap, exact=False, reason=f"forward failed: {type(err).__name__}: {err}"[:300])

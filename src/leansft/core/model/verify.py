@@ -14,7 +14,8 @@ model alone, one segment at a time, with its own attention implementation. Check
   example would differ from itself alone, which two short segments at the start never show).
 
 The check costs one forward per segment and path, in fp32 without autocast (bf16 autocast for kernels
-that only compute in bf16, with tolerances to match), and runs in eval mode.
+that only compute in bf16, and for a base held in bf16 (``core/model/bf16_base.py``), with tolerances to match),
+and runs in eval mode.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ModelError
 from leansft.core.model.as_shipped import as_shipped
 from leansft.core.model.attention import HALF_ONLY, PACKED_SAFE, plain_attention
+from leansft.core.model.bf16_base import holds_bf16_base
 from leansft.core.model.compile import eager
 from leansft.core.model.forward import hidden_states, loss_of
 from leansft.core.model.head import OutputHead, read_output_head
@@ -238,11 +240,13 @@ def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("p
     micro-batch size (the far-in-the-row check runs where it exceeds the two segments), filled with examples of
     at most ``max_length`` tokens (default: ``row_tokens``)."""
     device = next(model.parameters()).device
+    low_base = holds_bf16_base(model)  # bf16 linear weights: every forward under bf16 autocast, as the run's
+    tols = (HALF_LOGIT_TOL, HALF_LOSS_TOL) if low_base else ()
     was = model.training
     model.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                torch.autocast(device.type, enabled=False):
+                torch.autocast(device.type, dtype=torch.bfloat16, enabled=low_base):
             head = read_output_head(model)
             result = Verification(architecture(model), head)
             refs = _reference(model, segments, device)
@@ -252,7 +256,7 @@ def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("p
                 if model.config._attn_implementation not in PACKED_SAFE:
                     result.checks["packed"] = PathCheck("packed", False, False, "no packed attention backend is set")
                 else:
-                    half = model.config._attn_implementation in HALF_ONLY
+                    half = low_base or model.config._attn_implementation in HALF_ONLY
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
                         result.checks["packed"] = _check(
                             "packed", model, refs, _packed_batch(segments, device),
@@ -265,7 +269,7 @@ def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("p
                 with plain_attention(model), eager():
                     result.checks["padded"] = _check(
                         "padded", model, refs, _padded_batch(segments, pad_id, device),
-                        lambda h: [h[r, :n] for r, n in enumerate(lens)])
+                        lambda h: [h[r, :n] for r, n in enumerate(lens)], *tols)
     finally:
         model.train(was)
     return result
