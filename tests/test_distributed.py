@@ -22,19 +22,20 @@ def write(cfg, path: Path) -> str:
     return str(path)
 
 
-def launch(config: str, nproc: int, *extra: str) -> None:
+def launch(config: str, nproc: int, *extra: str) -> str:
     """``leansft train`` on ``nproc`` ranks under torchrun; one process runs in this one (the same CLI, without
     torchrun's start-up and a second ~10 s of imports)."""
     if nproc == 1:
         from leansft.tools.cli import main
 
         assert main(["train", config, *extra]) == 0
-        return
+        return ""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", "-m", "leansft", "train", config, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines: one space-joined text
 
 
 def records(run: Path) -> list[dict]:
@@ -65,7 +66,9 @@ def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, sin
     cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=3", "batching.gradient_accumulation=1",
                      "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
                      f"data.cache_dir={single.parent / 'cache'}")
-    launch(write(cfg, tmp_path / "c.yaml"), 2)
+    said = launch(write(cfg, tmp_path / "c.yaml"), 2)
+    # rank 0 alone tells the story, and says how the ranks share the work
+    assert said.count("training 3 steps") == 1 and f"{strategy.upper()} over 2 ranks" in said, said[-3000:]
     run = Path(cfg.output_dir)
     ref, got = losses(single), losses(run)
     assert set(got) == set(ref)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
 import shutil
 import struct
@@ -362,9 +363,9 @@ def test_a_gguf_tokenizer_splits_text_as_the_pre_tokenizer_the_file_names(tmp_pa
     llama-cpp-python 0.3.36 on this file's export), not GPT-2's; a name leansft cannot map either is refused."""
     import transformers as tf
 
-    from leansft.core.gguf import write as gguf_export
     from leansft.core.data.tokenizer import load_tokenizer
     from leansft.core.errors import ModelError
+    from leansft.core.gguf import write as gguf_export
     from leansft.core.model.loading import resolve_model_path
     from leansft.core.paths import default_cache_dir
 
@@ -420,6 +421,13 @@ def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
 
     assert main(["export", str(run), str(tmp_path / "out.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
     assert main(["export", str(run / "checkpoints" / "step-2"), str(tmp_path / "hf")]) == 0
+    # the exported folder carries a model card as final/ does, and every file is readable by other users
+    assert "lora" in (tmp_path / "hf" / "README.md").read_text().lower()
+    umask = os.umask(0)
+    os.umask(umask)
+    for folder in (run / "final", tmp_path / "hf"):
+        assert {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir() if f.is_file()} == \
+            {f.name: 0o666 & ~umask for f in folder.iterdir() if f.is_file()}
     final = tf.AutoModelForCausalLM.from_pretrained(run / "final").eval()
     hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     gg = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="out.gguf", dtype=torch.float32).eval()

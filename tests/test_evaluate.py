@@ -61,8 +61,8 @@ def test_eval_loss_equals_padded_transformers_forward(tmp_path, load_tok, tiny_b
 def test_stop_tokens_fall_back_to_eos_only_when_the_template_cannot_mark_turns(load_tok, tiny_bpe_path, monkeypatch):
     """A template leansft cannot mark turns in still generates, stopped by eos; any other failure is a bug and
     is raised, not turned into samples that run past the end of the turn."""
-    from leansft.core.inference import generation
     from leansft.core.errors import TemplateError
+    from leansft.core.inference import generation
 
     tok = load_tok(tiny_bpe_path)
     template = resolve_template(tok, None)

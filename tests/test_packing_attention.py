@@ -254,8 +254,8 @@ def test_what_to_read_on_the_host_holds_for_those_very_tensors_only():
 def test_the_cuda_choice_of_backend_follows_what_torch_and_flash_attn_offer(monkeypatch):
     """The choice is logic only (no GPU needed): bf16 on CUDA takes flash-attn when installed, else torch's varlen
     kernel, else (an older torch, as the H200 image's 2.11 may be) per-segment SDPA; fp32 takes per-segment SDPA."""
-    from leansft.core.model import attention
     from leansft.core.errors import ConfigError
+    from leansft.core.model import attention
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)  # no flash-attn

@@ -103,8 +103,8 @@ def test_the_export_merges_into_the_4bit_base_one_dequantised_layer_at_a_time(tm
     a 24 GB card): the merge takes them one at a time, each the weight of the plain model by name and shape."""
     import weakref
 
-    from leansft.core.model import qlora as quant
     from leansft.core.errors import ModelError
+    from leansft.core.model import qlora as quant
     from leansft.core.model.loading import merged_plain_model
 
     cfg = run_config(tmp_path, tiny_run_assets, "training.method=qlora")

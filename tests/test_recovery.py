@@ -198,6 +198,20 @@ def test_exit_codes_finished_stopped_failed(tmp_path, tiny_run_assets):
     assert proc.returncode == EXIT_STOPPED
     assert len(ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")) == 1
     assert not (tmp_path / "run" / "final").exists()
+    # a signal while the run starts (here: as the data are reported, before the model loads) ends it with the same
+    # code and a line that says so (before: a bare exit 143)
+    shutil.rmtree(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "leansft", "train", path], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "data:" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    seen.append(proc.communicate(timeout=120)[0])
+    assert proc.returncode == EXIT_STOPPED, "".join(seen)[-2000:]
+    assert "outside the training steps" in "".join(seen)
 
 
 def test_a_signal_right_after_the_save_decision_still_saves(tmp_path, tiny_run_assets, monkeypatch):
@@ -427,3 +441,31 @@ def test_disk_full_while_checkpointing_is_one_line_naming_folder_space_and_what_
     assert "cannot write checkpoint step-4: the disk is full (about" in err and "needed" in err
     assert "kept: step-2 (intact)" in err and str(tmp_path / "run" / "checkpoints") in err
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_so_and_touches_nothing(tmp_path, tiny_run_assets, monkeypatch, caplog):
+    """A refused fresh start says "continue it with --resume auto"; done on a finished run, that must not rewrite
+    its report, model card or metrics (it exported afresh and wrote totals of zeros): nothing left to train. A run
+    resumed after a crash reports the whole run's totals, not the last process's."""
+    import logging
+
+    from helpers import train_crashing_after
+
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=4", "checkpoint.save_every=2",
+                     "checkpoint.export=true")
+    train_crashing_after(monkeypatch, cfg, 3)
+    train(cfg, resume="auto")
+    run = Path(cfg.output_dir)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    totals, last = records[-1], next(r for r in reversed(records) if "loss" in r)
+    assert totals["run_real_tokens"] == last["tokens_seen"]  # steps 1-2 of the first process included
+    assert totals["run_real_tokens_per_s"] == pytest.approx(totals["run_real_tokens"] / totals["run_step_s"])
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert {"report.md", "README.md"} <= {p.name for p in files}
+    with caplog.at_level(logging.INFO, logger="leansft"):
+        assert main(["train", config_file(tmp_path, tiny_run_assets, "training.max_steps=4",
+                                          "checkpoint.save_every=2", "checkpoint.export=true",
+                                          f"output_dir={run}"), "--resume", "auto"]) == 0
+    assert "nothing left to train" in caplog.text
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files

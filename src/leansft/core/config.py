@@ -38,36 +38,49 @@ class _Strict(BaseModel):
 
 
 class SourceConfig(_Strict):
-    path: str
-    format: Format = "auto"
+    path: str = Field(description="a file (.jsonl, .json, .parquet, .csv), a dataset folder, or a Hub dataset name")
+    format: Format = Field("auto",
+                           description="alpaca, sharegpt, messages, prompt_completion, text; auto: from the first "
+                                       "row's keys")
     weight: float = Field(1.0, gt=0, description="sampling weight: 2.0 repeats the source, 0.5 keeps half")
-    split: str = "train"
+    split: str = Field("train", description="the split of a dataset folder or Hub dataset")
 
 
 class CleanConfig(_Strict):
-    dedupe: bool = True
-    min_tokens: int = Field(1, ge=0)
-    max_tokens: int | None = Field(None, gt=0)
-    drop_no_assistant: bool = True
-    pii_scrub: bool = False
+    dedupe: bool = Field(True, description="drop exact duplicates (normalised text)")
+    min_tokens: int = Field(1, ge=0, description="drop examples shorter than this")
+    max_tokens: int | None = Field(None, gt=0, description="drop examples longer than this (null: keep)")
+    drop_no_assistant: bool = Field(True, description="drop conversations without an assistant turn")
+    pii_scrub: bool = Field(False,
+                            description="replace emails, phone numbers, IP addresses and card numbers with "
+                                        "placeholders")
 
 
 class DataConfig(_Strict):
-    sources: list[SourceConfig] = Field(default_factory=list)
-    eval_file: str | None = None
+    sources: list[SourceConfig] = Field(default_factory=list,
+                                        description="the training data: paths, or {path, format, weight, split} "
+                                                    "entries")
+    eval_file: str | None = Field(None, description="held-out data in a file of its own (else eval_split)")
     eval_split: float = Field(0.0, ge=0, lt=1, description="fraction held out when no eval_file is given")
-    template: str | None = None
-    loss_on: LossOn = "assistant"
+    template: str | None = Field(None,
+                                 description="chat template: null = the tokenizer's own; chatml, llama3, qwen2.5, "
+                                             "mistral, gemma or a .jinja file")
+    loss_on: LossOn = Field("assistant", description="assistant (every assistant turn), last_assistant, or all tokens")
     reasoning: Reasoning = Field("keep", description="assistant thinking (reasoning_content or a "
                                                "leading <think> block): keep = rendered and trained; drop = removed")
     multi_turn: MultiTurn = Field(
         "auto", description="auto = one example per conversation, or one per assistant turn where the template "
         "rewrites earlier turns (Qwen3's own); single = refuse such templates; per_turn = always one per turn")
-    max_length: int = Field(2048, gt=0)
-    truncation: Literal["truncate", "drop"] = "truncate"
-    on_bad_row: Literal["error", "skip"] = "error"
+    max_length: int = Field(2048, gt=0, description="tokens per example at most (`leansft plan` recommends one)")
+    truncation: Literal["truncate", "drop"] = Field("truncate",
+                                                    description="an example over max_length: truncate it, or drop it")
+    on_bad_row: Literal["error", "skip"] = Field("error",
+                                                 description="a malformed or refused row: error (naming file, row, "
+                                                             "field) or skip (counted)")
     clean: CleanConfig = Field(default_factory=CleanConfig)
-    cache_dir: str | None = None
+    cache_dir: str | None = Field(None,
+                                  description="tokenised cache and converted models (default ~/.cache/leansft or "
+                                              "LEANSFT_CACHE)")
     num_workers: int | None = Field(None, ge=1, description="processes preparing data (default: every core); "
                                     "the result does not depend on it")
 
@@ -80,19 +93,21 @@ class DataConfig(_Strict):
 
 
 class BatchingConfig(_Strict):
-    strategy: Strategy = "bfd"
-    tokens_per_micro_batch: int = Field(4096, gt=0)
+    strategy: Strategy = Field("bfd",
+                               description="bfd, bfd_split, wrapped (packed rows), sorted or padded (padded batches)")
+    tokens_per_micro_batch: int = Field(4096, gt=0, description="tokens in one packed micro-batch (raise it on a GPU)")
     batch_size: int = Field(8, gt=0, description="examples per batch for sorted/padded")
-    gradient_accumulation: int = Field(1, gt=0)
+    gradient_accumulation: int = Field(1, gt=0, description="micro-batches per optimizer step on each rank")
     window: int = Field(512, gt=0, description="sorted: examples per sorting window")
 
 
 class LoraConfig(_Strict):
-    r: int = Field(16, gt=0)
-    alpha: int = Field(32, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | str = "all-linear"
-    merge_on_export: bool = True
+    r: int = Field(16, gt=0, description="LoRA rank")
+    alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale alpha/r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[str] | str = Field("all-linear",
+                                            description="all-linear, or a list of module names (q_proj, v_proj, ...)")
+    merge_on_export: bool = Field(True, description="final/ holds the merged model (false: the adapters alone)")
     bf16_base: bool = Field(True, description="under bf16 autocast, store the frozen base's linear weights in bf16 "
                             "(the values its matmuls use anyway; checked bitwise on a probe before step 1): 2 bytes "
                             "a base parameter instead of 6. Plain LoRA (no DoRA; init default or gaussian), not FSDP")
@@ -107,7 +122,7 @@ class LoraConfig(_Strict):
 
 
 class QLoraConfig(_Strict):
-    quant_type: Literal["nf4", "fp4"] = "nf4"
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit type of the base")
     double_quant: bool = Field(True, description="quantise the quantisation constants too (~0.4 bits/parameter saved)")
     compute_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="dtype the 4-bit weights are "
                                                            "dequantised to for each matmul; auto: bf16 on CUDA, fp32 "
@@ -121,55 +136,71 @@ class TrainingConfig(_Strict):
     qlora: QLoraConfig = Field(default_factory=QLoraConfig)
     neftune_noise_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise on the input "
                                               "embeddings in training, alpha/sqrt(L*d) with L the example's length")
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, gt=0)
-    learning_rate: float = Field(2e-5, gt=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    warmup_ratio: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, description="passes over the data (ignored when max_steps is set)")
+    max_steps: int | None = Field(None, gt=0, description="optimizer steps of the run (null: from epochs)")
+    learning_rate: float = Field(2e-5, gt=0, description="AdamW's peak learning rate")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine",
+                                                              description="learning-rate schedule after warm-up")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps (0: warmup_ratio)")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="warm-up as a fraction of the steps")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not on biases and norms)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the gradient norm to this (null: no clipping)")
     precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 autocast on CUDA and on CPUs "
                                                       "with bf16 matrix units (AMX / AVX512-BF16), else fp32")
     compile: bool | Literal["auto"] = Field("auto", description="torch.compile each decoder layer (one compiled "
                                             "graph reused by every layer); auto: on CUDA only")
-    gradient_checkpointing: bool = False
-    activation_offloading: bool = False
-    loss_chunk_size: int = Field(1024, gt=0)
-    loss_backend: Literal["chunked", "liger"] = "chunked"
-    attention: Attention = "auto"
+    gradient_checkpointing: bool = Field(False,
+                                         description="recompute activations in backward: less memory, ~30% more "
+                                                     "compute")
+    activation_offloading: bool = Field(False, description="keep saved activations in host memory")
+    loss_chunk_size: int = Field(1024, gt=0,
+                                 description="target tokens per chunk of the chunked loss (the only logits alive at "
+                                             "once)")
+    loss_backend: Literal["chunked", "liger"] = Field("chunked",
+                                                      description="chunked (leansft's), or liger (Liger Kernel's "
+                                                                  "fused linear cross-entropy, CUDA)")
+    attention: Attention = Field("auto",
+                                 description="auto, flash, torch_varlen, sdpa_varlen or flex (packed, varlen "
+                                             "attention)")
     verify: Verify = Field("fallback", description="before step 1, check the run's forward and loss against the "
                            "plain model: fallback = packed path inexact -> train with sorted (unpacked) batches; "
                            "refuse = stop instead; skip = no check")
     loss_spike_factor: float | None = Field(10.0, gt=1, description="stop when a step's loss exceeds this "
                                             "multiple of its running mean (null: never)")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the data order, LoRA init, dropout and sampling")
 
 
 class EvalConfig(_Strict):
-    eval_every: int | None = Field(None, gt=0)
-    samples_every: int | None = Field(None, gt=0)
-    prompts: list[str] = Field(default_factory=list)
-    num_samples: int = Field(3, ge=0)
-    max_new_tokens: int = Field(64, gt=0)
-    temperature: float = Field(0.7, ge=0)
-    top_p: float = Field(0.9, gt=0, le=1)
-    early_stopping_patience: int | None = Field(None, gt=0)
+    eval_every: int | None = Field(None, gt=0,
+                                   description="held-out loss every N steps, and at step 0 and the end (null: never)")
+    samples_every: int | None = Field(None, gt=0,
+                                      description="sample answers every N steps, and at step 0 and the end (null: "
+                                                  "never)")
+    prompts: list[str] = Field(default_factory=list,
+                               description="prompts to sample (default: the first num_samples held-out prompts)")
+    num_samples: int = Field(3, ge=0, description="held-out prompts to sample when prompts is empty")
+    max_new_tokens: int = Field(64, gt=0, description="tokens per sample at most")
+    temperature: float = Field(0.7, ge=0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(0.9, gt=0, le=1, description="nucleus sampling's probability mass")
+    early_stopping_patience: int | None = Field(None, gt=0,
+                                                description="stop after this many evals without a better loss (null: "
+                                                            "never)")
 
 
 class CheckpointConfig(_Strict):
-    save_every: int | None = Field(None, gt=0)
-    keep_last: int = Field(2, ge=1)
-    keep_best: int = Field(1, ge=0)
-    export: bool = True
+    save_every: int | None = Field(None, gt=0, description="a checkpoint every N steps (and at the end)")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept, newest first")
+    keep_best: int = Field(1, ge=0, description="checkpoints kept by best eval loss, besides keep_last")
+    export: bool = Field(True,
+                         description="write OUTPUT_DIR/final (a Hugging Face folder with a model card) at the end")
 
 
 Tracker = Literal["tensorboard", "wandb", "mlflow"]
 
 
 class LoggingConfig(_Strict):
-    log_every: int = Field(1, gt=0)
+    log_every: int = Field(1, gt=0, description="a metrics line every N steps")
     trackers: list[Tracker] = Field(default_factory=list, description="experiment trackers, any subset")
     tensorboard: bool = Field(False, description="the same as listing tensorboard in trackers")
     project: str = Field("leansft", description="tracker project (W&B) / experiment (MLflow) name; where not set, "
@@ -195,15 +226,16 @@ class CPUConfig(_Strict):
 
 
 class DistributedConfig(_Strict):
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "fsdp"] = Field("ddp",
+                                             description="ddp (DistributedDataParallel) or fsdp (FSDP2) under torchrun")
 
 
 class RunConfig(_Strict):
     model: str = Field(description="model folder, config.json, .gguf file, pkg: path or Hub id")
-    tokenizer: str | None = None
+    tokenizer: str | None = Field(None, description="tokenizer location (default: the model's)")
     trust_remote_code: bool = Field(False, description="let transformers run a Hub model's own code (never asked "
                                     "on stdin)")
-    output_dir: str = "runs/leansft"
+    output_dir: str = Field("runs/leansft", description="the run folder: metrics, checkpoints, final/")
     data: DataConfig = Field(default_factory=DataConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)

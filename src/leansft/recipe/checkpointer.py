@@ -62,16 +62,41 @@ class TrainState:
     tokens_seen: int = 0
     examples_seen: int = 0
     target_tokens_seen: int = 0
+    step_seconds: float = 0.0  # time inside training steps, over every process of the run
+    wall_seconds: float = 0.0  # wall time of the run's processes up to the last checkpoint
+    finished: bool = False  # every step done (or early stopping said stop): nothing left to train
 
-    def advance(self, position: Position, counts: StepCounts) -> None:
+    def advance(self, position: Position, counts: StepCounts, seconds: float) -> None:
         self.step += 1
         self.position = position
         self.tokens_seen += counts.real
         self.examples_seen += counts.examples
         self.target_tokens_seen += counts.targets
+        self.step_seconds += seconds
 
     def as_dict(self) -> dict:
         return {**asdict(self), "position": asdict(self.position)}
+
+
+def finished_run(path: Path | None, cfg: RunConfig) -> int | None:
+    """The step a finished run ended at, when ``path`` is its last checkpoint, the run got to its end (the totals
+    line in metrics.jsonl, and the export's model card where it exports: a run killed while exporting is not
+    finished) and this config asks for no more (the same ``max_steps`` and ``epochs``); else None. Read from the
+    run folder alone, before any model loads."""
+    if path is None:
+        return None
+    state = json.loads((path / "state.json").read_text())
+    saved_file, out = path / "config.yaml", path.parents[1]
+    saved = (yaml.safe_load(saved_file.read_text()) or {}).get("training", {}) if saved_file.exists() else {}
+    same = all(saved.get(k) == getattr(cfg.training, k) for k in ("max_steps", "epochs"))
+    lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    try:
+        last = json.loads(lines[-1]) if lines else {}
+    except ValueError:  # a torn last line: the run did not end well
+        last = {}
+    ended = "run_wall_s" in last and last.get("step") == state["step"]
+    exported = not cfg.checkpoint.export or (out / "final" / "README.md").exists()
+    return state["step"] if state.get("finished") and same and ended and exported else None
 
 
 def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int) -> tuple[Path | None, int]:
@@ -86,7 +111,8 @@ def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int) -> t
             raise LeanSFTError(
                 f"output_dir already holds checkpoints of an earlier run (latest {earlier[-1].name})",
                 file=str(out),
-                hint="continue it with --resume auto, or choose another output_dir (nothing was changed)",
+                hint="continue it with --resume auto (a finished run has nothing left to train: export, report "
+                     "or eval it), or choose another output_dir (nothing was changed)",
             )
         return None, accum
     saved = json.loads((path / "state.json").read_text())
@@ -119,7 +145,8 @@ class Checkpointer:
         self._check_data(path, saved.get("data_fingerprint"))
         log.info("resumed from %s at step %d", path, saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
-                           **{k: saved[k] for k in ("tokens_seen", "examples_seen", "target_tokens_seen")})
+                           **{k: saved[k] for k in ("tokens_seen", "examples_seen", "target_tokens_seen")},
+                           **{k: saved[k] for k in ("step_seconds", "wall_seconds", "finished") if k in saved})
         return state, saved.get("evaluator", {})
 
     def _check_config(self, path: Path) -> None:

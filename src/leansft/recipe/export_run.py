@@ -7,6 +7,7 @@ folder such as OUTPUT_DIR/final, a .gguf file, a ``pkg:`` path, a Hub id) is rea
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -29,15 +30,21 @@ from leansft.recipe.builders import build_model, model_location
 log = logging.getLogger("leansft")
 
 
-def load_source(source: str):
-    """(model with LoRA merged, tokenizer, chat template, config or None) from a run, checkpoint or model folder."""
+def checkpoint_of(source: str) -> Path | None:
+    """The checkpoint a run folder (its newest intact one) or a checkpoint folder means; None for a model."""
     path = Path(source)
     if (path / "checkpoints").is_dir():
         found = ckpt.find_resume(path, "auto")
         if found is None:
             raise LeanSFTError("the run has no checkpoint to export", file=source)
         path = found
-    if (path / "state.json").is_file():
+    return path if (path / "state.json").is_file() else None
+
+
+def load_source(source: str):
+    """(model with LoRA merged, tokenizer, chat template, config or None) from a run, checkpoint or model folder."""
+    path = checkpoint_of(source)
+    if path is not None:
         cfg = load_config(str(path / "config.yaml"))
         model_path = model_location(cfg)
         model, _ = build_model(cfg, torch.device("cpu"), False, model_path)
@@ -72,5 +79,29 @@ def export_source(source: str, to: str, out: str, dtype: str = "f16") -> Path:
     if to == "gguf":
         return export_gguf(model, tokenizer, template.source if template else None, target, dtype,
                            stop_token_ids(tokenizer, template))
-    return export(model, tokenizer, template or ChatTemplate("tokenizer", tokenizer.chat_template or ""), target,
-                  cfg)
+    folder = export(model, tokenizer, template or ChatTemplate("tokenizer", tokenizer.chat_template or ""), target,
+                    cfg)
+    card = model_card_for(source, cfg, folder)
+    if card is not None:
+        log.info("model card: %s", card)
+    return folder
+
+
+def model_card_for(source: str, cfg, folder: Path) -> Path | None:
+    """The exported folder's model card, as ``final/`` has one: a checkpoint's from its run's records, a model
+    folder's own copied; None where there is none to write."""
+    from leansft.recipe.model_card import write_model_card
+    from leansft.recipe.report import read_jsonl
+
+    path = checkpoint_of(source)
+    if path is None:
+        own = Path(source) / "README.md"
+        if own.is_file():
+            (folder / "README.md").write_bytes(own.read_bytes())
+            return folder / "README.md"
+        return None
+    run = path.parents[1]  # OUTPUT_DIR/checkpoints/step-N
+    if not (run / "data_report.json").is_file():
+        return None
+    return write_model_card(cfg, run, folder, read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "samples.jsonl"),
+                            json.loads((run / "data_report.json").read_text()))

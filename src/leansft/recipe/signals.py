@@ -30,3 +30,33 @@ class StopFlag:
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+class Stopped(Exception):
+    """A stop signal outside the training steps (loading, verifying, exporting): nothing in flight to save."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopAnywhere:
+    """Around a whole run: SIGINT/SIGTERM raise ``Stopped`` (inside the step loop ``StopFlag`` takes over), so a
+    signal during start-up ends the run with its message and exit code instead of a bare 143 or a traceback."""
+
+    def __enter__(self) -> StopAnywhere:
+        self._old: dict = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._raise)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    @staticmethod
+    def _raise(signum, frame) -> None:
+        raise Stopped(signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)

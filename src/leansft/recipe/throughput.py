@@ -86,19 +86,19 @@ class ThroughputWindow:
 
 @dataclass
 class RunTotals:
-    """The run's figures (this process: a resumed run counts from its resume): wall time from the start of
-    ``train()``, time inside training steps, and run-average rates = tokens / time in steps."""
+    """The whole run's figures, over every process of it (a resumed run carries on from its checkpoint's): wall
+    time of ``train()`` calls, time inside training steps, tokens, and run-average rates = tokens / time in steps."""
 
     started: float = field(default_factory=time.perf_counter)
-    step_seconds: float = 0.0
-    counts: StepCounts = field(default_factory=StepCounts)
+    wall_before: float = 0.0  # the earlier processes' wall time, up to the checkpoint resumed from
 
-    def add(self, counts: StepCounts, seconds: float) -> None:
-        self.counts += counts
-        self.step_seconds += seconds
+    def wall(self) -> float:
+        return self.wall_before + time.perf_counter() - self.started
 
-    def record(self, step: int) -> dict:
-        c, busy = self.counts, max(self.step_seconds, 1e-9)
-        return {"step": step, "run_wall_s": time.perf_counter() - self.started, "run_step_s": self.step_seconds,
-                "run_real_tokens": c.real, "run_target_tokens": c.targets,
-                "run_real_tokens_per_s": c.real / busy, "run_target_tokens_per_s": c.targets / busy}
+    def record(self, state) -> dict:
+        """The totals record of ``state`` (``recipe.checkpointer.TrainState``: global counts and step time)."""
+        busy = max(state.step_seconds, 1e-9)
+        return {"step": state.step, "run_wall_s": self.wall(), "run_step_s": state.step_seconds,
+                "run_real_tokens": state.tokens_seen, "run_target_tokens": state.target_tokens_seen,
+                "run_real_tokens_per_s": state.tokens_seen / busy,
+                "run_target_tokens_per_s": state.target_tokens_seen / busy}

@@ -49,14 +49,14 @@ from leansft.recipe.builders import (
     store_frozen_base,
     verified_strategy,
 )
-from leansft.recipe.checkpointer import Checkpointer, resume_point
+from leansft.recipe.checkpointer import Checkpointer, finished_run, resume_point
 from leansft.recipe.divergence import DivergenceGuard
 from leansft.recipe.evaluator import Evaluator
 from leansft.recipe.metrics_log import MetricsLog, truncate_jsonl
 from leansft.recipe.model_card import write_model_card
 from leansft.recipe.progress import ProgressBar
 from leansft.recipe.report import read_jsonl, write_report
-from leansft.recipe.signals import StopFlag
+from leansft.recipe.signals import StopAnywhere, StopFlag, Stopped
 from leansft.recipe.throughput import RunTotals, ThroughputWindow
 from leansft.recipe.trackers import Trackers
 
@@ -131,6 +131,12 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     cfg = cfg.model_copy(deep=True)  # strategy/accumulation may change below; the caller's config stays as given
     rank, world, device, out = distributed.rank(), distributed.world_size(), pick_device(), check_output_dir(cfg.output_dir)
     resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world)
+    done = finished_run(resume_from, cfg)
+    if done is not None:  # before any model loads; nothing in the run folder is touched
+        log.info("nothing left to train: %s finished at step %d (its final model, report and metrics are left as "
+                 "they are; raise training.max_steps or epochs to train on)", out, done)
+        distributed.barrier()
+        return {"step": done, "stopped": False, "nothing_left": True}
     seed_everything(cfg.training.seed)
     model_path = model_location(cfg)
     data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,
@@ -155,6 +161,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     checkpointer = Checkpointer(cfg, out, loss_module, engine.optimizer, engine.scheduler, sharded,
                                 data.train.fingerprint())
     state, evaluator_state = checkpointer.load(resume_from)
+    run.wall_before = state.wall_seconds
     start_run_folder(cfg, out, data, state.step)
     trackers = Trackers(cfg, out, enabled=rank == 0)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, trackers=trackers)
@@ -162,9 +169,10 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     evaluator.restore(evaluator_state)
     window = ThroughputWindow(model, device, cfg.logging.peak_flops, world)
     guard = DivergenceGuard(model.get_output_embeddings().weight.shape[0], cfg.training.loss_spike_factor)
-    log.info("training %d steps, %s batches, %s attention, %s, %s, %d trainable params", total_steps,
-             cfg.batching.strategy, model.config._attn_implementation,
-             "bf16 autocast" if amp else "fp32", cfg.training.method, sum(p.numel() for p in engine.params))
+    log.info("training %s, %s batches, %s attention, %s, %s, %s trainable params%s", plural(total_steps, "step"),
+             cfg.batching.strategy, model.config._attn_implementation, compute_dtype(cfg, amp), cfg.training.method,
+             f"{sum(p.numel() for p in engine.params):,}",
+             f", {cfg.distributed.strategy.upper()} over {world} ranks" if world > 1 else ""),
     last = log_record(metrics, evaluator, None, 0, evaluator.after_step(0, total_steps) if state.step == 0 else None)
     steps = batcher.steps(state.position, cfg.batching.gradient_accumulation)
     stopped = False
@@ -175,9 +183,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             counts = window.count(batches)
             loss, grad_norm, lr, signalled = train_step(engine, batches, counts.weight, state.step + 1, stop)
             seconds = time.perf_counter() - t0
-            run.add(counts, seconds)
             window.add_time(seconds)
-            state.advance(position, counts)
+            state.advance(position, counts, seconds)
             guard.check(state.step, loss, grad_norm)
             progress.update(state.step, loss, lr, counts.real)
             record = None
@@ -188,18 +195,35 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                 or last
             stopped = signalled  # as every rank saw it at the step's all-reduce: they stop (and save) together
             stopping = stopped or evaluator.should_stop
-            if checkpointer.should_save(state.step, stopping or state.step == total_steps):
+            state.finished = state.step == total_steps or evaluator.should_stop
+            if checkpointer.should_save(state.step, stopping or state.finished):
+                state.wall_seconds = run.wall()
                 checkpointer.save(state, evaluator.state())
             if stopping:
                 log.warning("stopping at step %d (%s)", state.step, "signal" if stopped else "early stopping")
                 break
     if cfg.checkpoint.export and not stopped:
         export_final(cfg, model, loss_module, sharded, data, out, model_path)
-    metrics.write(run.record(state.step))  # the run's totals: wall time, time in steps, run-average rates
+    metrics.write(run.record(state))  # the whole run's totals: wall time, time in steps, run-average rates
     if rank == 0:
         finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stopped)
     distributed.barrier()
     return {**(last or {}), "stopped": stopped}
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def compute_dtype(cfg: RunConfig, amp: torch.dtype | None) -> str:
+    """What the layers really compute in: QLoRA's 4-bit layers in their compute dtype, the rest as autocast says."""
+    mode = "bf16 autocast" if amp else "fp32"
+    if cfg.training.method == "qlora":
+        from leansft.core.model.qlora import compute_dtype as qlora_dtype
+
+        dtype = qlora_dtype(cfg.training.qlora.compute_dtype, pick_device())
+        return f"{mode}, 4-bit layers computing in {str(dtype).removeprefix('torch.')}"
+    return mode
 
 
 def log_data(data: PreparedData, max_length: int) -> None:
@@ -289,9 +313,14 @@ EXIT_STOPPED = 3  # stopped by SIGINT/SIGTERM after saving a checkpoint (resume 
 
 
 def main_train(cfg: RunConfig, resume: str | None) -> int:
-    """0: finished (and exported); EXIT_STOPPED: stopped by a signal with a checkpoint saved."""
+    """0: finished (and exported); EXIT_STOPPED: stopped by a signal (inside the steps, with a checkpoint saved)."""
     try:
-        result = train(cfg, resume)
+        with StopAnywhere():
+            result = train(cfg, resume)
+    except Stopped as s:
+        log.warning("signal %d outside the training steps: stopped; the checkpoints stay as they were (continue "
+                    "with --resume auto where there is one, else run the same command again)", s.signum)
+        return EXIT_STOPPED
     finally:
         distributed.shutdown()
     return EXIT_STOPPED if result.get("stopped") else 0

@@ -47,7 +47,9 @@ def _setup_logging(verbose: bool) -> None:
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(show_time=False, show_path=False)])
-    logging.getLogger("leansft").setLevel(logging.INFO)
+    # under torchrun rank 0 tells the story; the other ranks speak up for warnings and errors only
+    rank = int(os.environ.get("RANK", "0"))
+    logging.getLogger("leansft").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     hf_logging.disable_progress_bar()
     # bitsandbytes' CPU backend warns on import (which peft does for every LoRA run) that an optional kernel
@@ -73,11 +75,14 @@ def _positive(value: str) -> int:
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, action="append", help="data file, dataset folder or Hub name (repeatable)")
     p.add_argument("--format", default=default(SourceConfig, "format"),
-                   choices=get_args(SourceConfig.model_fields["format"].annotation))
+                   choices=get_args(SourceConfig.model_fields["format"].annotation),
+                   help="the data's format; auto: from the first row's keys")
     p.add_argument("--template", default=default(DataConfig, "template"),
                    help="auto (tokenizer's own), chatml, llama3, qwen2.5, mistral, gemma, or a .jinja file")
-    p.add_argument("--loss-on", default=default(DataConfig, "loss_on"), choices=get_args(LossOn))
-    p.add_argument("--cache-dir", default=default(DataConfig, "cache_dir"))
+    p.add_argument("--loss-on", default=default(DataConfig, "loss_on"), choices=get_args(LossOn),
+                   help="which tokens carry loss")
+    p.add_argument("--cache-dir", default=default(DataConfig, "cache_dir"),
+                   help="tokenised cache (default ~/.cache/leansft or LEANSFT_CACHE)")
     p.add_argument("--on-bad-row", default=default(DataConfig, "on_bad_row"),
                    choices=get_args(DataConfig.model_fields["on_bad_row"].annotation),
                    help="data.on_bad_row: skip leaves out (and counts) rows that are malformed or refused")
@@ -116,8 +121,11 @@ def cmd_plan(args) -> int:
                 f"--max-length {max_length} is not longer than the longest prompt ({longest_prompt} tokens): "
                 "that example would keep no response token", field="max_length",
             )
-    summary = plan_summary(data.lengths, data.target_counts, max_length or default(DataConfig, "max_length"),
-                           args.batch_size, args.window, args.seed)
+    if max_length is None:  # as --help says: the recommendation from these data
+        from leansft.tools.stats import recommend_max_length
+
+        max_length = recommend_max_length(data.lengths)
+    summary = plan_summary(data.lengths, data.target_counts, max_length, args.batch_size, args.window, args.seed)
     summary["preparation"] = prep.report.as_dict()
     if args.model:
         summary["memory"] = _memory(args, args.tokens_per_micro_batch or summary["max_length"])
@@ -159,7 +167,7 @@ def cmd_show_mask(args) -> int:
     prep = prepare_data(cfg, args.tokenizer, truncate=False, holdout=False)
     kinds = example_kinds(prep.tokenizer, prep.template, cfg, prep.train, args.n)
     stops = stop_summary(prep.tokenizer, prep.template)
-    out = print_examples(prep.tokenizer, prep.train, args.n, kinds=kinds)
+    out = print_examples(prep.tokenizer, prep.train, args.n, kinds=kinds, show=not args.html)  # the page shows them
     print(stops)
     _write_json(args.json, out, indent=None)
     if args.html:
@@ -302,94 +310,144 @@ def cmd_lm_eval(args) -> int:
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a run folder (its newest checkpoint), a checkpoint, or a model folder such as "
                                  "OUTPUT_DIR/final, as for export")
-    p.add_argument("--template", default=default(DataConfig, "template"))
-    p.add_argument("--max-new-tokens", type=_positive, default=default(EvalConfig, "max_new_tokens"))
-    p.add_argument("--temperature", type=float, default=default(EvalConfig, "temperature"))
-    p.add_argument("--top-p", type=float, default=default(EvalConfig, "top_p"))
-    p.add_argument("--seed", type=int, default=default(TrainingConfig, "seed"))
+    p.add_argument("--template", default=default(DataConfig, "template"),
+                   help="chat template (default: the run's, else the tokenizer's own)")
+    p.add_argument("--max-new-tokens", type=_positive, default=default(EvalConfig, "max_new_tokens"),
+                   help="tokens per answer at most")
+    p.add_argument("--temperature", type=float, default=default(EvalConfig, "temperature"),
+                   help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=default(EvalConfig, "top_p"), help="nucleus sampling's mass")
+    p.add_argument("--seed", type=int, default=default(TrainingConfig, "seed"), help="sampling seed")
+
+
+def _add_plan_args(p: argparse.ArgumentParser, batch_size: int, window: int, seed: int) -> None:
+    p.add_argument("--batch-size", type=_positive, default=batch_size, help="examples per batch for sorted/padded")
+    p.add_argument("--window", type=_positive, default=window, help="sorted: examples per sorting window")
+    p.add_argument("--seed", type=int, default=seed, help="seed of the padded strategy's shuffle")
+    p.add_argument("--json", default=None, help="write the plan's numbers here")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each option's default beside its help (unless the help says it, or there is none to say); epilogs keep
+    their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = not any(action.default is x for x in (None, False, argparse.SUPPRESS)) and "default" not in text
+        return f"{text} (default: %(default)s)" if shown and action.option_strings else text
+
+
+def _command(sub, name: str, **kw) -> argparse.ArgumentParser:
+    return sub.add_parser(name, formatter_class=_Help, **kw)
+
+
+TRAIN_EPILOG = """\
+config keys: `leansft config --defaults` lists every key with its default and meaning (docs/config.md).
+
+exit codes:
+  0    finished (and exported); also: a finished run resumed, with nothing left to train
+  2    stopped with an error message (bad input, config, model, damaged checkpoints, divergence)
+  3    stopped by SIGINT/SIGTERM (inside the steps: after saving a checkpoint; continue with --resume auto)
+  1    an unexpected crash (a bug: please report the traceback)
+  130  a second Ctrl-C (no checkpoint)"""
+
+
+def cmd_config(args) -> int:
+    from leansft.tools.config_reference import text
+
+    if args.defaults or args.config is None:
+        print(text())
+        return 0
+    import yaml
+
+    print(yaml.safe_dump(load_config(args.config, args.overrides).model_dump(mode="json"), sort_keys=False), end="")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="leansft", description="Supervised fine-tuning of causal LMs, done right.")
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="command", required=True)
+    from leansft import __version__
+
+    p = argparse.ArgumentParser(prog="leansft", description="Supervised fine-tuning of causal LMs, done right.",
+                                formatter_class=_Help)
+    p.add_argument("-v", "--verbose", action="store_true", help="log transformers' and other libraries' INFO too")
+    p.add_argument("--version", action="version", version=f"leansft {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     batch_size, window = default(BatchingConfig, "batch_size"), default(BatchingConfig, "window")
 
-    sp = sub.add_parser("plan", help="length statistics, batching simulation and memory estimate for real data")
+    sp = _command(sub, "plan", help="length statistics, batching simulation and memory estimate for real data")
     _add_data_args(sp)
     sp.add_argument("--tokenizer", required=True, help="tokenizer folder, tokenizer.json, .gguf, pkg: path or Hub id")
     sp.add_argument("--max-length", type=_positive, default=None, help="default: recommended from the data")
-    sp.add_argument("--batch-size", type=_positive, default=batch_size)
-    sp.add_argument("--window", type=_positive, default=window)
-    sp.add_argument("--seed", type=int, default=default(TrainingConfig, "seed"))
+    _add_plan_args(sp, batch_size, window, default(TrainingConfig, "seed"))
     sp.add_argument("--model", default=None, help="model folder, config.json or .gguf, for the memory estimate")
-    sp.add_argument("--method", default=default(TrainingConfig, "method"), choices=get_args(Method))
-    sp.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    sp.add_argument("--gradient-checkpointing", action="store_true")
-    sp.add_argument("--tokens-per-micro-batch", type=_positive, default=None)
-    sp.add_argument("--json", default=None)
-    sp.add_argument("--plot", default=None)
+    sp.add_argument("--method", default=default(TrainingConfig, "method"), choices=get_args(Method),
+                    help="training method of the memory estimate")
+    sp.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="precision of the memory estimate")
+    sp.add_argument("--gradient-checkpointing", action="store_true", help="the memory estimate with checkpointing")
+    sp.add_argument("--tokens-per-micro-batch", type=_positive, default=None,
+                    help="micro-batch of the memory estimate (default: max_length)")
+    sp.add_argument("--plot", default=None, help="write a length histogram to this .png")
     sp.set_defaults(func=cmd_plan)
 
-    ss = sub.add_parser("simulate", help="the plan's batching simulation on synthetic lognormal lengths")
-    ss.add_argument("--examples", type=_positive, default=20000)
-    ss.add_argument("--median", type=float, default=450)
-    ss.add_argument("--sigma", type=float, default=0.9)
-    ss.add_argument("--cap", type=_positive, default=4096)
-    ss.add_argument("--max-length", type=_positive, default=4096)
-    ss.add_argument("--batch-size", type=_positive, default=batch_size)
-    ss.add_argument("--window", type=_positive, default=window)
-    ss.add_argument("--seed", type=int, default=0)
-    ss.add_argument("--json", default=None)
+    ss = _command(sub, "simulate", help="the plan's batching simulation on synthetic lognormal lengths")
+    ss.add_argument("--examples", type=_positive, default=20000, help="how many synthetic examples")
+    ss.add_argument("--median", type=float, default=450, help="median length in tokens")
+    ss.add_argument("--sigma", type=float, default=0.9, help="spread of the lognormal lengths (log scale)")
+    ss.add_argument("--cap", type=_positive, default=4096, help="longest example")
+    ss.add_argument("--max-length", type=_positive, default=4096, help="data.max_length to simulate")
+    _add_plan_args(ss, batch_size, window, 0)
     ss.set_defaults(func=cmd_simulate)
 
-    sm = sub.add_parser("show-mask", help="print examples with the tokens that carry loss highlighted")
+    sm = _command(sub, "show-mask", help="print examples with the tokens that carry loss highlighted")
     _add_data_args(sm)
     sm.add_argument("--tokenizer", required=True, help="tokenizer folder, tokenizer.json, .gguf, pkg: path or Hub id")
-    sm.add_argument("-n", type=_positive, default=3)
-    sm.add_argument("--json", default=None)
-    sm.add_argument("--html", default=None, help="write one self-contained page of the first -n examples")
+    sm.add_argument("-n", type=_positive, default=3, help="how many examples to show")
+    sm.add_argument("--json", default=None, help="write input_ids, labels and stop tokens of each example here")
+    sm.add_argument("--html", default=None, help="write one self-contained page of the first -n examples (instead "
+                                                 "of printing them)")
     sm.add_argument("--max-length", type=_positive, default=None, help="mark examples longer than this truncated")
     sm.set_defaults(func=cmd_show_mask)
 
-    t = sub.add_parser("train", help="train as a YAML config says; key=value overrides (training.max_steps=20)")
-    t.add_argument("config")
+    t = _command(sub, "train", help="train as a YAML config says; key=value overrides (training.max_steps=20)",
+                       epilog=TRAIN_EPILOG)
+    t.add_argument("config", help="the run's YAML config (examples/*.yaml)")
     t.add_argument("overrides", nargs="*", help="dotted key=value, e.g. training.learning_rate=1e-4")
     t.add_argument("--resume", nargs="?", const="auto", default=None, help="checkpoint folder, or auto (latest)")
     t.add_argument("--doctor", action="store_true", help="run `leansft doctor` first; stop on FAIL")
     t.set_defaults(func=cmd_train)
 
-    d = sub.add_parser("doctor", help="pre-flight correctness checks on the real model and data")
-    d.add_argument("config")
-    d.add_argument("overrides", nargs="*")
-    d.add_argument("--json", default=None)
+    d = _command(sub, "doctor", help="pre-flight correctness checks on the real model and data")
+    d.add_argument("config", help="the run's YAML config")
+    d.add_argument("overrides", nargs="*", help="dotted key=value, as for train")
+    d.add_argument("--json", default=None, help="write the checks and their numbers here")
     d.set_defaults(func=cmd_doctor)
 
-    e = sub.add_parser("eval", help="held-out loss, perplexity and token accuracy of a model on a data file")
+    e = _command(sub, "eval", help="held-out loss, perplexity and token accuracy of a model on a data file")
     e.add_argument("model", help="a run folder (its newest checkpoint), a checkpoint or a model, as for export")
     _add_data_args(e)
-    e.add_argument("--max-length", type=_positive, default=default(DataConfig, "max_length"))
+    e.add_argument("--max-length", type=_positive, default=default(DataConfig, "max_length"),
+                   help="examples are cut at this many tokens")
     e.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",
                    help="fp32: the loss as the plain model computes it; bf16 / auto: the decoder under bf16 autocast "
                         "(auto: where the device multiplies bf16 in hardware), as a bf16 run evaluates while it "
                         "trains; the logits and the loss stay fp32")
-    e.add_argument("--json", default=None)
+    e.add_argument("--json", default=None, help="write the results here")
     e.set_defaults(func=cmd_eval)
 
-    g = sub.add_parser("generate", help="answer prompts with the model's chat template")
+    g = _command(sub, "generate", help="answer prompts with the model's chat template")
     _add_generation_args(g)
-    g.add_argument("--prompt", required=True, action="append")
+    g.add_argument("--prompt", required=True, action="append", help="a user message (repeatable)")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive chat with a model")
+    c = _command(sub, "chat", help="interactive chat with a model")
     _add_generation_args(c)
     c.set_defaults(func=cmd_chat)
 
-    r = sub.add_parser("report", help="plots and a one-page summary of a run folder")
-    r.add_argument("run_dir")
+    r = _command(sub, "report", help="plots and a one-page summary of a run folder")
+    r.add_argument("run_dir", help="a run's output_dir")
     r.set_defaults(func=cmd_report)
 
-    x = sub.add_parser("export", help="a run (its newest checkpoint), a checkpoint or any model train takes out as "
+    x = _command(sub, "export", help="a run (its newest checkpoint), a checkpoint or any model train takes out as "
                                       "a Hugging Face folder or one GGUF file (LoRA merged)")
     x.add_argument("source", help="OUTPUT_DIR, OUTPUT_DIR/checkpoints/step-N, or what train takes as model: a model "
                                   "folder (e.g. OUTPUT_DIR/final), a .gguf file, pkg:PACKAGE/FILE or a Hub id")
@@ -400,12 +458,18 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", choices=get_args(GGUFDType), default="f16", help="GGUF tensor type (norms stay f32)")
     x.set_defaults(func=cmd_export)
 
-    le = sub.add_parser("lm-eval", help="optional: run lm-evaluation-harness on an exported model (needs lm-eval)")
-    le.add_argument("model")
+    le = _command(sub, "lm-eval", help="optional: run lm-evaluation-harness on an exported model (needs lm-eval)")
+    le.add_argument("model", help="an exported model folder (e.g. OUTPUT_DIR/final)")
     le.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
-    le.add_argument("--limit", type=int, default=None)
-    le.add_argument("--json", default=None)
+    le.add_argument("--limit", type=int, default=None, help="examples per task at most")
+    le.add_argument("--json", default=None, help="write the results here")
     le.set_defaults(func=cmd_lm_eval)
+
+    cf = _command(sub, "config", help="every config key with its default and meaning, or a config as it resolves")
+    cf.add_argument("config", nargs="?", default=None, help="a YAML config to resolve (omit: the defaults)")
+    cf.add_argument("overrides", nargs="*", help="dotted key=value, as for train")
+    cf.add_argument("--defaults", action="store_true", help="list every key with its default and meaning")
+    cf.set_defaults(func=cmd_config)
     return p
 
 
@@ -422,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `leansft config --defaults | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

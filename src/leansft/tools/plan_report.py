@@ -27,13 +27,31 @@ def template_summary(stats: dict) -> str:
     return "; ".join(parts)
 
 
+def plural(n: int, word: str) -> str:
+    """``1 example``, ``2 examples``, with thousands separators."""
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def cleaning_line(prep: dict) -> str | None:
+    """What preparation removed before the plan's counts, or None: conversations in, examples out."""
+    parts = [plural(prep[k], label) + " removed" for k, label in (
+        ("duplicates_removed", "duplicate"), ("too_short", "example below min_tokens"),
+        ("too_long", "example above max_tokens"), ("no_target_tokens", "example without target tokens"))
+        if prep.get(k)]
+    return "; ".join(parts) or None
+
+
 def print_plan(summary: dict, console: Console | None = None) -> None:
     console = console or Console()
-    for src in summary.get("preparation", {}).get("sources", []):
+    prep = summary.get("preparation", {})
+    for src in prep.get("sources", []):
         if src.get("template"):
             console.print(f"{src['path']}: {template_summary(src['template'])}")
+    if cleaning_line(prep):
+        console.print(f"cleaning: {cleaning_line(prep)}")
     ls = summary["lengths"]
-    head = f"[bold]{summary['examples']:,}[/] examples, {summary['tokens']:,} tokens"
+    head = f"[bold]{summary['examples']:,}[/] {'example' if summary['examples'] == 1 else 'examples'}, " \
+           f"{summary['tokens']:,} tokens"
     if summary.get("target_tokens") is not None:
         head += f", {summary['target_tokens']:,} target tokens ({summary['loss_share']:.1%} carry loss)"
     console.print(head)
@@ -41,10 +59,14 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
         f"length mean {ls['mean']:.0f}  median {ls['median']:.0f}  p90 {ls['p90']:.0f}  p99 {ls['p99']:.0f}  "
         f"max {ls['max']}"
     )
+    cut = summary["truncated"]
     console.print(
-        f"max_length {summary['max_length']} truncates {summary['truncated']:,} examples; "
+        f"max_length {summary['max_length']} truncates {plural(cut, 'example')}; "
         f"recommended max_length: [bold]{summary['recommended_max_length']}[/]"
     )
+    if cut:
+        console.print(f"[yellow]note:[/] the attention work and rows below are for the examples cut at max_length "
+                      f"{summary['max_length']} (the longest has {ls['max']:,} tokens)")
     t = Table(title=f"batching strategies (batch size {summary['batch_size']} for padded/sorted)")
     for col in ("strategy", "real-token share", "attention work", "rows/batches", "truncated", "split/cut"):
         t.add_column(col, justify="right" if col != "strategy" else "left")

@@ -62,10 +62,10 @@ def stop_tokens(tokenizer, labels: list[int]) -> list[str]:
 
 
 def print_examples(tokenizer, data: TokenizedDataset, n: int, console: Console | None = None,
-                   kinds: list[np.ndarray] | None = None) -> list[dict]:
-    """Print the first ``n`` examples coloured by token kind; return them as ``{row, input_ids, labels,
-    stop_tokens}`` (README: show-mask's JSON)."""
-    console = console or Console()
+                   kinds: list[np.ndarray] | None = None, show: bool = True) -> list[dict]:
+    """Print the first ``n`` examples coloured by token kind (``show``); return them as ``{row, input_ids, labels,
+    stop_tokens}`` (show-mask's JSON)."""
+    console = console or Console(quiet=not show)
     out = []
     for i in range(min(n, len(data))):
         ids, labels = (a.tolist() for a in data.example(i))

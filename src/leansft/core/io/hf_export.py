@@ -53,7 +53,18 @@ def export(model, tokenizer, template, folder: Path, cfg) -> Path:
     if gen is not None:
         gen.eos_token_id = stop_token_ids(tokenizer, template)
         gen.save_pretrained(tmp)
+    readable(tmp)
     if folder.exists():
         shutil.rmtree(folder)
     os.rename(tmp, folder)
     return folder
+
+
+def readable(folder: Path) -> None:
+    """Give every file the mode a plain write would (0644 under the usual umask): transformers writes the weights
+    through a private temporary file (0600), which a server running as another user could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in folder.rglob("*"):
+        if f.is_file():
+            os.chmod(f, 0o666 & ~mask)
