@@ -30,7 +30,14 @@ def test_plan_writes_json_and_plot(tmp_path, qwen25_path, capsys):
         assert set(v) >= {"real_token_share", "attention_work_ratio", "rows", "truncated"}
     assert s["truncated"] == s["strategies"]["bfd"]["truncated"] > 0
     assert png.stat().st_size > 1000
-    assert "recommended max_length" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "recommended max_length" in said and "the attention work and rows below are for the examples cut" in said
+    assert "cleaning: " in said and "duplicates removed" in said  # the demo set has duplicates: say so
+    # without --max-length the plan is made at the recommended one, as its help says
+    assert main(["plan", "--data", ALPACA, "--tokenizer", qwen25_path, "--json", str(out),
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    s = json.loads(out.read_text())
+    assert s["max_length"] == s["recommended_max_length"]
 
 
 @pytest.mark.slow
@@ -72,6 +79,47 @@ def test_show_mask_json(tmp_path, qwen25_path, capsys):
     assert len(ex["input_ids"]) == len(ex["labels"])
     assert all(lab in (-100, i) for i, lab in zip(ex["input_ids"], ex["labels"]))
     assert "carry loss" in capsys.readouterr().out
+    # with --html the examples go to the page, not also to the terminal
+    assert main(["show-mask", "--data", data, "--tokenizer", qwen25_path, "-n", "1", "--html", str(tmp_path / "m.html"),
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    said = capsys.readouterr().out
+    assert "carry loss" not in said and "wrote" in said and (tmp_path / "m.html").stat().st_size > 1000
+
+
+def test_every_option_of_every_command_has_help_and_version_prints():
+    """`--help` explains each option (it did not for simulate, most of plan, show-mask -n, generate and chat)."""
+    import argparse
+
+    from leansft import __version__
+    from leansft.tools.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, f"{path} {name}")
+            elif not isinstance(action, argparse._HelpAction):
+                yield path, action
+
+    missing = [f"{path}: {action.dest}" for path, action in walk(build_parser(), "leansft") if not action.help]
+    assert not missing, missing
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"leansft {__version__}"
+    r = run_cli("train", "--help")
+    assert "exit codes" in r.stdout and "leansft config --defaults" in r.stdout
+
+
+def test_config_defaults_list_every_key_and_the_docs_table_is_current():
+    from leansft.tools.config_reference import END, START, rows, table
+
+    keys = {k for k, _, _ in rows()}
+    assert {"training.learning_rate", "cpu.malloc_tunables", "data.sources[].path", "eval.temperature"} <= keys
+    assert all(meaning for _, _, meaning in rows()), [k for k, _, m in rows() if not m]
+    doc = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    assert doc[doc.index(START) + len(START):doc.index(END)].strip() == table(), \
+        "docs/config.md is stale: run `python -m leansft.tools.config_reference`"
+    r = run_cli("config", "--defaults")
+    assert r.returncode == 0 and "training.learning_rate" in r.stdout and "2e-05" in r.stdout
 
 
 def run_cli(*args, cwd=None):
