@@ -102,9 +102,11 @@ def reads_base_in_bf16(cfg: RunConfig, device: torch.device, spec: str) -> bool:
     return saved in (torch.bfloat16, "bfloat16")
 
 
-def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: str | None = None):
+def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: str | None = None,
+                bf16_read: bool = True):
     """The model in fp32 on ``device``, with gradient checkpointing, LoRA, compiled layers (``training.compile``)
     or, on the CPU and where opted in, fused ones (``cpu.fused_layers``), and the attention backend set.
+    ``bf16_read``: where ``reads_base_in_bf16`` says so (doctor, whose checks run the fp32 model, says no).
     Returns (model, attention backend)."""
     t = cfg.training
     if t.method == "qlora":  # 4-bit base, loaded onto the device (bitsandbytes quantises as it places weights)
@@ -116,7 +118,7 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
     else:
         # read straight onto an accelerator (in bf16 where the run keeps its base so); on the CPU, loaded where it
         # trains anyway
-        low = reads_base_in_bf16(cfg, device, model_path or cfg.model)
+        low = bf16_read and reads_base_in_bf16(cfg, device, model_path or cfg.model)
         model = load_model(model_path or cfg.model, torch.bfloat16 if low else torch.float32,
                            trust_remote_code=cfg.trust_remote_code, device=device if device.type != "cpu" else None)
         if t.gradient_checkpointing:
@@ -156,6 +158,7 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int) -
         log.warning("training.verify is skip: the packed forward and the loss are not checked against the model")
         return strategy
     packed = strategy in PACKED_STRATEGIES
+    log.info("checking the run's forward and loss against the plain model (before step 1)...")
     t0 = time.perf_counter()
     v = verify_model(model, probe_segments(data, model.get_input_embeddings().weight.shape[0]),
                      ("packed", "padded") if packed else ("padded",), pad,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -189,7 +190,10 @@ class Checkpointer:
         extra.update(eval_loss=evaluator.get("last_eval_loss"), evaluator=evaluator,
                      gradient_accumulation=self.cfg.batching.gradient_accumulation,
                      data_fingerprint=self.data_fingerprint)
-        ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra, self.config_dict,
-                             self.sharded)
+        t0 = time.perf_counter()
+        path = ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra,
+                                    self.config_dict, self.sharded)
         if distributed.rank() == 0:
+            size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+            log.info("saved checkpoint %s (%.1f MB, %.1f s)", path, size / 1e6, time.perf_counter() - t0)
             ckpt.prune(self.folder, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)

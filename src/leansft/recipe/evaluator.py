@@ -13,6 +13,7 @@ from rich.console import Console
 from leansft.core import distributed
 from leansft.core.inference.generation import generate
 from leansft.core.inference.heldout_loss import evaluate
+from leansft.core.progress import phase
 
 log = logging.getLogger("leansft")
 
@@ -81,7 +82,9 @@ class Evaluator:
     def maybe_eval(self, step: int, total: int) -> dict | None:
         if self.prep.eval is None or not due(self.cfg.eval.eval_every, step, total):
             return None
-        result = self.run_eval()
+        with phase(f"step {step}: held-out eval of {len(self.prep.eval):,} examples"
+                   + (" (the before picture)" if step == 0 else "")):
+            result = self.run_eval()
         self.last_eval_loss = result["eval_loss"]
         if self.best is None or result["eval_loss"] < self.best:
             self.best, self.bad_evals = result["eval_loss"], 0
@@ -102,7 +105,8 @@ class Evaluator:
                 log.warning("samples are not generated under FSDP (sharded weights); export and use leansft generate")
             return None
         e = self.cfg.eval
-        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):  # as the run computes
+        with phase(f"step {step}: sampling {len(prompts)} answer" + ("s" if len(prompts) != 1 else "")), \
+                torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):  # as the run computes
             answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
                                max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
                                seed=self.cfg.training.seed)

@@ -36,6 +36,7 @@ from leansft.core.model.loss import normalise
 from leansft.core.model.neftune import NEFTune
 from leansft.core.model.qlora import dequantised_base
 from leansft.core.model.verify import check_position_table
+from leansft.core.progress import phase
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -305,8 +306,8 @@ def export_final(cfg: RunConfig, model, loss_module, sharded: bool, data: Prepar
             log.info("qlora: adapters merged into the dequantised 4-bit base weights (fp32 export)")
         elif holds_bf16_base(plain) and cfg.training.lora.merge_on_export:  # into the fp32 base, not its bf16 copy
             plain = merged_plain_model(plain, model_path, cfg.training.lora, cfg.trust_remote_code)
-        export(plain, data.tokenizer, data.template, out / "final", cfg)
-        log.info("exported %s", out / "final")
+        with phase(f"exporting {out / 'final'}"):
+            export(plain, data.tokenizer, data.template, out / "final", cfg)
 
 
 EXIT_STOPPED = 3  # stopped by SIGINT/SIGTERM after saving a checkpoint (resume with --resume auto)

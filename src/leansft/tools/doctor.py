@@ -36,6 +36,7 @@ from leansft.core.model.verify import (
     probe_segments,
     verify_model,
 )
+from leansft.core.progress import phase
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -267,7 +268,7 @@ def run_checks(cfg: RunConfig) -> list[Check]:
               check_truncation(full.lengths, full.target_counts, cfg.data.max_length)]
     sample = full.select(np.arange(min(SAMPLE, len(full))), max_length=cfg.data.max_length)
     device = pick_device()
-    model, _ = build_model(cfg, device, True, model_path)
+    model, _ = build_model(cfg, device, True, model_path, bf16_read=False)  # its checks run the fp32 model first
     amp = autocast_dtype(cfg.training.precision, device)
     for name, check in (("vocabulary", lambda: check_vocabulary(model, full)),
                         ("positions", lambda: check_position_table(model, prep.longest(cfg.data.max_length)))):
@@ -275,7 +276,8 @@ def run_checks(cfg: RunConfig) -> list[Check]:
             check()
         except LeanSFTError as err:  # the model cannot even embed this data: nothing else can run
             return checks + [Check(name, "FAIL", str(err), {}, err.hint)]
-    found, strategy = check_isolation_and_loss(cfg, model, sample, pad_id(tok))
+    with phase("doctor: isolation and loss against the plain model"):
+        found, strategy = check_isolation_and_loss(cfg, model, sample, pad_id(tok))
     checks += found
     if strategy is None:  # train refuses this model before step 1: nothing further to judge
         return checks
@@ -284,10 +286,12 @@ def run_checks(cfg: RunConfig) -> list[Check]:
     batcher = Batcher(sample, batching, cfg.data.max_length, pad_id(tok), cfg.training.seed)
     if not batcher.packed:
         use_plain_attention(model)
-    checks.append(check_positions(batcher))
-    checks.append(check_normalisation(model, sample, device, batcher.packed, pad_id(tok)))
+    with phase("doctor: positions and gradient-accumulation invariance"):
+        checks.append(check_positions(batcher))
+        checks.append(check_normalisation(model, sample, device, batcher.packed, pad_id(tok)))
     store_frozen_base(cfg, model, sample, strategy, pad_id(tok), device, amp)  # as train does, before step 1
-    checks += check_memory_and_throughput(cfg, model, batcher, device, amp)
+    with phase("doctor: memory and throughput of a few micro-batches"):
+        checks += check_memory_and_throughput(cfg, model, batcher, device, amp)
     return checks
 
 

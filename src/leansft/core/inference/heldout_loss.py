@@ -7,7 +7,9 @@ padding-aware attention: it is evaluated on length-sorted padded batches.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from leansft.core.model.attention import PACKED_SAFE
 from leansft.core.model.forward import hidden_states
 from leansft.core.model.head import read_output_head
 from leansft.core.model.loss import select_targets
+from leansft.core.progress import track
 
 
 @torch.no_grad()
@@ -48,9 +51,10 @@ def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_ba
     model.eval()
     device = device or next(model.parameters()).device
     loss, n, correct = 0.0, 0, 0
+    batches = _batches(model, data, max_length, max(tokens_per_micro_batch, max_length))
     try:
-        for batch in _batches(model, data, max_length, max(tokens_per_micro_batch, max_length)):
-            batch = batch.to(device)
+        for make in track(batches, len(batches), "eval batches", lambda: f"loss {loss / max(n, 1):.4f}"):
+            batch = make().to(device)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 if sharded_module is not None:
                     l, k, c = float(sharded_module(batch)), batch.target_tokens, 0
@@ -67,20 +71,20 @@ def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_ba
             "eval_targets": n}
 
 
-def _batches(model, data: TokenizedDataset, max_length: int, budget: int):
-    """Micro-batches of at most ``budget`` tokens: packed rows, or padded ones (length-sorted) for a model
-    without a packed attention (any pad id serves: padding is masked out of attention and loss)."""
+def _batches(model, data: TokenizedDataset, max_length: int, budget: int) -> list[Callable[[], object]]:
+    """Micro-batches of at most ``budget`` tokens, each made when called: packed rows, or padded ones
+    (length-sorted) for a model without a packed attention (any pad id serves: padding is masked out of attention
+    and loss). A list, so that progress knows how many."""
     lengths = np.minimum(data.lengths, max_length)
     if model.config._attn_implementation in PACKED_SAFE:
         plan = bfd(lengths, max_length)
-        for rows in micro_batches(plan, budget):
-            yield collate_rows(data, plan, rows)
-        return
-    group: list[int] = []
+        return [functools.partial(collate_rows, data, plan, rows) for rows in micro_batches(plan, budget)]
+    groups, group = [], []
     for i in np.argsort(lengths, kind="stable").tolist():  # ascending: the newest example is the widest
         if group and (len(group) + 1) * int(lengths[i]) > budget:
-            yield collate_padded(data, np.asarray(group), 0, max_length)
+            groups.append(group)
             group = []
         group.append(i)
     if group:
-        yield collate_padded(data, np.asarray(group), 0, max_length)
+        groups.append(group)
+    return [functools.partial(collate_padded, data, np.asarray(g), 0, max_length) for g in groups]

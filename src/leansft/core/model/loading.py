@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from leansft.core.errors import ModelError
 from leansft.core.gguf.read import complete_from_gguf
 from leansft.core.paths import default_cache_dir, resolve_package_path
+from leansft.core.progress import phase
 
 log = logging.getLogger("leansft")
 
@@ -50,8 +51,8 @@ def gguf_to_hf(gguf: Path, cache_dir: Path) -> Path:
     out = cache_dir / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
-    log.info("converting %s to a Hugging Face folder (once): %s", gguf, out)
-    with torch.random.fork_rng():  # building the model draws random init; keep the caller's RNG untouched
+    with phase(f"converting {gguf.name} into a Hugging Face folder (once): {out}"), \
+            torch.random.fork_rng():  # building the model draws random init; keep the caller's RNG untouched
         return _convert_gguf(gguf, out)
 
 
@@ -96,8 +97,9 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: Path | 
     path = Path(spec)
     place = {"device_map": {"": str(device)}} if device is not None else {}
     try:
-        return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=path.exists(),
-                                                    trust_remote_code=trust_remote_code, **place)
+        with phase(f"loading {spec} ({str(dtype).removeprefix('torch.')})"):
+            return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=path.exists(),
+                                                        trust_remote_code=trust_remote_code, **place)
     except Exception as err:
         where = "local model" if path.exists() else "model (no local path of that name; tried the Hub)"
         raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
