@@ -24,6 +24,7 @@ demo: $(STAMP)
 	$(PY) -m leansft train examples/demo.yaml
 	$(PY) -m leansft report runs/demo
 	$(PY) -m leansft export runs/demo/final --to gguf runs/demo/final.gguf
+	@echo "done: runs/demo/ (report.md, final/, final.gguf). The leansft command is in .venv/bin: source .venv/bin/activate"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_plan.py

@@ -296,3 +296,12 @@ def test_data_arguments_the_config_refuses_are_one_line_and_bugs_stay_tracebacks
     monkeypatch.setattr(cli, "DataConfig", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         cli._data_config(args)
+
+
+def test_tool_data_on_a_template_without_tools_names_the_template_that_has_them(tmp_path, qwen25_path, capsys):
+    glaive = str(Path(__file__).parents[1] / "examples" / "data" / "glaive_toolcall_en_demo.json")
+    assert main(["plan", "--data", glaive, "--tokenizer", qwen25_path, "--template", "chatml",
+                 "--cache-dir", str(tmp_path / "c")]) == 2
+    captured = capsys.readouterr()
+    assert "examples/templates/chatml_tools.jinja" in captured.err
+    assert "0 conversations" not in captured.out + captured.err  # no "prepared" line for a refused source

@@ -262,7 +262,9 @@ class ChatEncoder:
                 f"chat template '{self.template.name}' does not render the tool definitions (e.g. "
                 f"'{missing[0]}' is missing): the model would be trained on tool calls without the tools",
                 row=row, field="tools",
-                hint="use the model's own chat template with tool support, or drop the tools column")
+                hint="use a chat template that renders tools: the model's own if it has one, else ChatML with tool "
+                     "support (--template or data.template: examples/templates/chatml_tools.jinja in leansft's "
+                     "repository), or drop the tools column")
 
     def _check_context(self, text: str, chat: list[dict], row: int) -> None:
         """Tool results and system messages a template does not render are an error: the answers after them
@@ -476,7 +478,8 @@ class ChatEncoder:
             why, field = (f"chat template '{self.template.name}' does not write the tool calls of message {ai} into "
                           f"the turn the model generates ({dropped} is not there before its stop token): the model "
                           f"would learn the turn without its tool call"), "tool_calls"
-            hint = "use the model's own chat template with tool support (examples/templates/chatml_tools.jinja)"
+            hint = ("use a chat template with tool support: the model's own, else --template or data.template "
+                    "examples/templates/chatml_tools.jinja (in leansft's repository)")
         elif calls and said and said not in text[c0:c1]:
             shown = repr(said[:40]) + ("..." if len(said) > 40 else "")
             why, field = (f"chat template '{self.template.name}' does not write the text of message {ai} beside its "

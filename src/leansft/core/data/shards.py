@@ -196,10 +196,12 @@ class _Progress:
             self.last_log = time.perf_counter()
             log.info("preparing %s: %s", self.path, self._rates())
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Stop the bar; a finished source gets its counts (a refused one: the error says what happened)."""
         if self.bar is not None:
             self.bar.stop()
-        log.info("prepared %s: %s in %.1f s", self.path, self._rates(), time.perf_counter() - self.t0)
+        if finished:
+            log.info("prepared %s: %s in %.1f s", self.path, self._rates(), time.perf_counter() - self.t0)
 
 
 def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, folder: Path, meta: dict) -> None:
@@ -224,6 +226,7 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
     progress, tokens, max_id = _Progress(src.path), 0, -1
     table: dict[float, int] = {}  # the source's fractional weights -> loss code, in order of first appearance
     files = {name: (folder / f"{name}.bin").open("wb") for name in TOKEN_FILES}
+    finished = False
     try:
         for shard in _map_shards(_prepare_shard, shards, workers):
             if shard["weights"]:  # shard codes -> source codes
@@ -247,10 +250,11 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
             pii.update(shard["pii"])
             template.update(shard["template"])
             progress.update(shard["conversations"], len(shard["input_ids"]))
+        finished = True
     finally:
         for fh in files.values():
             fh.close()
-        progress.close()
+        progress.close(finished)
         _JOB.clear()
     for name in EXAMPLE_FILES:
         np.save(folder / f"{name}.npy", np.concatenate(per_example[name]) if per_example[name]

@@ -163,7 +163,10 @@ def read_raw_rows(path: str, split: str = "train") -> Iterator[tuple[int, str | 
         yield from readers[suffix](p)
         return
     if suffix in LOCAL_SUFFIXES:
-        raise DataError("file not found", file=path)
+        where = "" if Path(path).is_absolute() else (
+            f" (looked for {Path(path).resolve()}; a relative path in a config file is read next to that file first, "
+            "then from the working directory)")
+        raise DataError("file not found" + where, file=path)
     yield from _read_hf(path, split)
 
 
