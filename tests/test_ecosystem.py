@@ -523,3 +523,28 @@ def test_the_report_gives_the_runs_totals_not_the_last_steps_rate(tracked_run):
     (exp,) = [e for e in client.search_experiments() if e.name == "leansft"]
     (r,) = client.search_runs([exp.experiment_id])
     assert r.data.metrics["run_real_tokens_per_s"] == pytest.approx(final["run_real_tokens_per_s"])
+
+
+def test_mlflow_reaches_a_sqlite_store_and_refuses_one_it_cannot_use_in_one_line(tmp_path, tiny_run_assets,
+                                                                                   monkeypatch, capsys):
+    """MLflow's recommended local store (sqlite) records the run's loss history; a store MLflow cannot use stops
+    the run at start with one line naming it, never a traceback."""
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from leansft.tools.cli import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = run_config(tmp_path / "a", tiny_run_assets, "training.max_steps=2", "logging.trackers=[mlflow]")
+    train(cfg)
+    client = MlflowClient(uri)
+    (exp,) = [e for e in client.search_experiments() if e.name == "leansft"]
+    (r,) = client.search_runs([exp.experiment_id])
+    assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "loss")) == [1, 2]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus-scheme://nowhere")
+    bad = run_config(tmp_path / "b", tiny_run_assets, "training.max_steps=2", "logging.trackers=[mlflow]")
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(bad.model_dump(mode="json")))
+    assert main(["train", str(tmp_path / "b.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "MLflow cannot use the tracking store bogus-scheme://nowhere" in err and "Traceback" not in err

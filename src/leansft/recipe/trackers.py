@@ -114,9 +114,15 @@ class Mlflow:
             os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
         self.mlflow = mlflow
         experiment = _project(cfg, "MLFLOW_EXPERIMENT_NAME")
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(experiment)
-        self.run = mlflow.start_run(run_name=cfg.logging.run_name or out.name)
+        try:  # at start, so a store the run cannot reach stops it before anything trains, in one line
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_experiment(experiment)
+            self.run = mlflow.start_run(run_name=cfg.logging.run_name or out.name)
+        except Exception as err:  # noqa: BLE001 - whatever MLflow raises for a store it cannot use
+            raise ConfigError(f"MLflow cannot use the tracking store {uri}: {type(err).__name__}: {str(err)[:300]}",
+                              field="logging.mlflow_tracking_uri",
+                              hint="a file store (file:///path), sqlite:///path.db (with sqlalchemy and alembic, which "
+                                   "pip install 'leansft[trackers]' brings) or an http(s) MLflow server") from None
         log.info("mlflow: run %s in experiment %s at %s", self.run.info.run_id, experiment, uri)
         mlflow.log_params(flatten(cfg.model_dump(mode="json")))
         self.out = out
