@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -191,3 +192,57 @@ def test_an_fsdp_export_holds_the_model_once_on_rank_0(tmp_path):
     seen = json.loads(out.read_text())
     assert seen["equal"]
     assert seen["peak"] <= 2 * seen["largest"] < seen["model"] / 3, seen
+
+
+@pytest.mark.slow
+def test_a_stopped_peer_ends_the_run_naming_the_timeout(tmp_path, tiny_run_assets):
+    """A rank that stops answering (SIGSTOP: a frozen machine or a partition) ends the others within
+    distributed.timeout_s and a grace, with one line naming the timeout, not gloo's 30 minutes of silence."""
+    import signal
+    import time
+
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=400", "distributed.timeout_s=20",
+                     "checkpoint.save_every=1000")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "leansft", "train",
+                             write(cfg, tmp_path / "c.yaml")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    stopped, out = None, []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.lstrip().startswith("step 3 "):
+                stopped = next(pid for pid in _children(proc.pid) if _env_of(pid).get("RANK") == "1")
+                os.kill(stopped, signal.SIGSTOP)
+                t0 = time.monotonic()
+                break
+        assert stopped is not None, "".join(out)[-3000:]
+        out.append(proc.communicate(timeout=150)[0])
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    text = " ".join("".join(out).split())
+    assert proc.returncode != 0 and took < 90, (took, text[-3000:])
+    assert "distributed.timeout_s=20" in text and "(rank 0/2 on " in text, text[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").iterdir():
+            kids = (task / "children").read_text().split()
+            found += map(int, kids)
+            todo += map(int, kids)
+    return found
+
+
+def _env_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)

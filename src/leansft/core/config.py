@@ -228,6 +228,8 @@ class CPUConfig(_Strict):
 class DistributedConfig(_Strict):
     strategy: Literal["ddp", "fsdp"] = Field("ddp",
                                              description="ddp (DistributedDataParallel) or fsdp (FSDP2) under torchrun")
+    timeout_s: int = Field(600, gt=0, description="seconds a collective waits for every rank before the run stops "
+                                                  "naming the timeout (a stopped or partitioned peer)")
 
 
 class RunConfig(_Strict):

@@ -6,6 +6,7 @@ Single-process runs go through the same calls, which then do nothing.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 
 import torch
@@ -18,19 +19,42 @@ def is_distributed() -> bool:
     return tdist.is_available() and tdist.is_initialized()
 
 
-def init() -> None:
-    """Join the process group torchrun describes (nccl on CUDA, gloo on the CPU)."""
+def init(timeout_s: float = 600) -> None:
+    """Join the process group torchrun describes (nccl on CUDA, gloo on the CPU). Every collective then waits at
+    most ``timeout_s`` for the other ranks (torch's defaults: 30 minutes for gloo, 10 for NCCL), and ends in an
+    error that ``peer_failure`` turns into one line."""
     if is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
-    tdist.init_process_group(backend)
+    tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def shutdown() -> None:
-    if is_distributed():
+def peer_failure(err: BaseException, timeout_s: float) -> str | None:
+    """One line for a collective that failed because another rank stopped answering or ended, else None."""
+    text = f"{type(err).__name__}: {err}"
+    if not isinstance(err, (RuntimeError, tdist.DistError)):
+        return None
+    if "imed out" in text or "Timeout" in text or "timeout" in text:
+        return (f"a collective waited distributed.timeout_s={timeout_s:g} s without every rank answering (a peer "
+                "stopped, hung or lost the network); the checkpoints already written stay as they are")
+    if "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
+        return ("another rank ended (connection closed): its own message says why; the checkpoints already "
+                "written stay as they are")
+    return None
+
+
+def shutdown(wait: bool = True) -> None:
+    """Leave the process group; ``wait``: after a barrier (a run that ended well), else at once (a peer may be
+    gone: a barrier would only time out again)."""
+    if not is_distributed():
+        return
+    if wait:
         tdist.barrier()
+        tdist.destroy_process_group()
+        return
+    with contextlib.suppress(Exception):
         tdist.destroy_process_group()
 
 

@@ -32,8 +32,10 @@ class StopFlag:
             signal.signal(sig, old)
 
 
-class Stopped(Exception):
-    """A stop signal outside the training steps (loading, verifying, exporting): nothing in flight to save."""
+class Stopped(BaseException):
+    """A stop signal outside the training steps (loading, verifying, exporting): nothing in flight to save. A
+    BaseException, as KeyboardInterrupt is, so that no ``except Exception`` on the way (verify turns a failing
+    forward into a failed check) can swallow it."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)

@@ -127,7 +127,7 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int,
 
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
     """Run training as configured; returns the last logged record plus ``stopped`` (by a signal)."""
-    distributed.init()
+    distributed.init(cfg.distributed.timeout_s)
     run = RunTotals()
     cfg = cfg.model_copy(deep=True)  # strategy/accumulation may change below; the caller's config stays as given
     rank, world, device, out = distributed.rank(), distributed.world_size(), pick_device(), check_output_dir(cfg.output_dir)
@@ -315,13 +315,20 @@ EXIT_STOPPED = 3  # stopped by SIGINT/SIGTERM after saving a checkpoint (resume 
 
 def main_train(cfg: RunConfig, resume: str | None) -> int:
     """0: finished (and exported); EXIT_STOPPED: stopped by a signal (inside the steps, with a checkpoint saved)."""
+    ended_well = False
     try:
         with StopAnywhere():
             result = train(cfg, resume)
+        ended_well = True
     except Stopped as s:
         log.warning("signal %d outside the training steps: stopped; the checkpoints stay as they were (continue "
                     "with --resume auto where there is one, else run the same command again)", s.signum)
         return EXIT_STOPPED
+    except Exception as err:  # a collective a peer never joined: one line instead of gloo's traceback
+        line = distributed.peer_failure(err, cfg.distributed.timeout_s)
+        if line is None:
+            raise
+        raise LeanSFTError(line, hint="continue with --resume auto once every node runs again") from None
     finally:
-        distributed.shutdown()
+        distributed.shutdown(wait=ended_well)
     return EXIT_STOPPED if result.get("stopped") else 0

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 import warnings
 from pathlib import Path
@@ -480,8 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except LeanSFTError as err:
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank stops; one says why
-            print(f"error: {err}", file=sys.stderr)
+        # under torchrun every rank stops; each node's first rank says why, naming itself (on node-local disks a
+        # node's reason, a file it lacks, is not rank 0's)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            who = f" (rank {os.environ.get('RANK', '0')}/{world} on {socket.gethostname()})" if world > 1 else ""
+            print(f"error{who}: {err}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
