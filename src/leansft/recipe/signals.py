@@ -8,17 +8,29 @@ import signal
 log = logging.getLogger("leansft")
 
 
+def _install(handler) -> dict:
+    """``handler`` for SIGINT and SIGTERM; returns the handlers it replaced (none off the main thread)."""
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    return old
+
+
+def _restore(old: dict) -> None:
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
+
+
 class StopFlag:
     def __init__(self) -> None:
         self.requested = False
         self._old: dict = {}
 
     def __enter__(self) -> StopFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
+        self._old = _install(self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -28,8 +40,7 @@ class StopFlag:
         log.warning("signal %s: finishing this step, saving a checkpoint, then stopping", signum)
 
     def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+        _restore(self._old)
 
 
 class Stopped(BaseException):
@@ -47,12 +58,7 @@ class StopAnywhere:
     signal during start-up ends the run with its message and exit code instead of a bare 143 or a traceback."""
 
     def __enter__(self) -> StopAnywhere:
-        self._old: dict = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._raise)
-            except ValueError:  # not the main thread
-                pass
+        self._old = _install(self._raise)
         return self
 
     @staticmethod
@@ -60,5 +66,4 @@ class StopAnywhere:
         raise Stopped(signum)
 
     def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+        _restore(self._old)
