@@ -19,6 +19,11 @@ log = logging.getLogger("leansft")
 EVERY_S = 10.0  # seconds between plain progress lines
 
 
+def plural(n: int, word: str) -> str:
+    """``1 step``, ``2 steps``, with thousands separators."""
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
 def _speaks() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 

@@ -13,7 +13,7 @@ from rich.console import Console
 from leansft.core import distributed
 from leansft.core.inference.generation import generate
 from leansft.core.inference.heldout_loss import evaluate
-from leansft.core.progress import phase
+from leansft.core.progress import phase, plural
 
 log = logging.getLogger("leansft")
 
@@ -105,7 +105,7 @@ class Evaluator:
                 log.warning("samples are not generated under FSDP (sharded weights); export and use leansft generate")
             return None
         e = self.cfg.eval
-        with phase(f"step {step}: sampling {len(prompts)} answer" + ("s" if len(prompts) != 1 else "")), \
+        with phase(f"step {step}: sampling {plural(len(prompts), 'answer')}"), \
                 torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):  # as the run computes
             answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
                                max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,

@@ -36,7 +36,7 @@ from leansft.core.model.loss import normalise
 from leansft.core.model.neftune import NEFTune
 from leansft.core.model.qlora import dequantised_base
 from leansft.core.model.verify import check_position_table
-from leansft.core.progress import phase
+from leansft.core.progress import phase, plural
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -210,10 +210,6 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stopped)
     distributed.barrier()
     return {**(last or {}), "stopped": stopped}
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
 def compute_dtype(cfg: RunConfig, amp: torch.dtype | None) -> str:

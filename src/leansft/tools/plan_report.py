@@ -6,6 +6,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from leansft.core.progress import plural
+
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
@@ -25,11 +27,6 @@ def template_summary(stats: dict) -> str:
         parts.append(f"per-turn: {stats['per_turn_conversations']:,} conversations -> {stats['per_turn_examples']:,} "
                      f"examples (+{stats['per_turn_extra_tokens']:,} repeated context tokens)")
     return "; ".join(parts)
-
-
-def plural(n: int, word: str) -> str:
-    """``1 example``, ``2 examples``, with thousands separators."""
-    return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
 def cleaning_line(prep: dict) -> str | None:
