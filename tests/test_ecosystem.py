@@ -536,6 +536,7 @@ def test_mlflow_reaches_a_sqlite_store_and_refuses_one_it_cannot_use_in_one_line
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # a SQL store keeps artifacts in ./mlruns of the working directory
     cfg = run_config(tmp_path / "a", tiny_run_assets, "training.max_steps=2", "logging.trackers=[mlflow]")
     train(cfg)
     client = MlflowClient(uri)
