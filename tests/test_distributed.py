@@ -246,3 +246,37 @@ def _children(pid: int) -> list[int]:
 def _env_of(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+@pytest.mark.slow
+def test_an_elastic_restart_resumes_and_trains_the_uninterrupted_losses(tmp_path, tiny_run_assets):
+    """torchrun --max-restarts 1: a worker killed after a checkpoint is started again, resumes from it by itself
+    (TORCHELASTIC_RESTART_COUNT > 0 means --resume auto) and ends with the uninterrupted run's losses."""
+    import signal
+
+    from leansft.recipe.train import train
+
+    common = ["training.max_steps=6", "checkpoint.save_every=2", "training.learning_rate=1e-4"]
+    whole = run_config(tmp_path / "whole", tiny_run_assets, *common)
+    train(whole)
+    cfg = run_config(tmp_path / "elastic", tiny_run_assets, *common)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node=1", "--max-restarts=1", "-m",
+                             "leansft", "train", write(cfg, tmp_path / "c.yaml")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    out, killed = [], False
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if not killed and "saved checkpoint" in line and "step-2" in line:
+                os.kill(_children(proc.pid)[0], signal.SIGKILL)
+                killed = True
+        assert proc.wait(timeout=300) == 0, "".join(out)[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = " ".join("".join(out).split())
+    assert killed and "resuming from the newest complete checkpoint" in text, text[-3000:]
+    got, ref = losses(Path(cfg.output_dir)), losses(Path(whole.output_dir))
+    assert set(got) == set(ref) and all(got[k] == pytest.approx(ref[k], abs=1e-6) for k in ref), (got, ref)

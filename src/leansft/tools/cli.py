@@ -216,7 +216,13 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.doctor and run_doctor(cfg) != 0:
         return 1
-    return main_train(cfg, args.resume)
+    resume = args.resume
+    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # torchrun --max-restarts N started this worker again after a failure: go on from the newest checkpoint
+        logging.getLogger("leansft").warning("restart %s under torchrun: resuming from the newest complete checkpoint "
+                                             "(--resume auto)", os.environ["TORCHELASTIC_RESTART_COUNT"])
+        resume = "auto"
+    return main_train(cfg, resume)
 
 
 def cmd_doctor(args) -> int:
