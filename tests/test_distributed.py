@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,8 @@ def test_a_stopped_peer_ends_the_run_naming_the_timeout(tmp_path, tiny_run_asset
                              write(cfg, tmp_path / "c.yaml")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
     stopped, out = None, []
+    watchdog = threading.Timer(240, os.killpg, (proc.pid, signal.SIGKILL))  # reading never outlives the test
+    watchdog.start()
     try:
         for line in proc.stdout:
             out.append(line)
@@ -221,6 +224,7 @@ def test_a_stopped_peer_ends_the_run_naming_the_timeout(tmp_path, tiny_run_asset
         out.append(proc.communicate(timeout=150)[0])
         took = time.monotonic() - t0
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         if stopped is not None:
@@ -266,6 +270,8 @@ def test_an_elastic_restart_resumes_and_trains_the_uninterrupted_losses(tmp_path
                              "leansft", "train", write(cfg, tmp_path / "c.yaml")], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     out, killed = [], False
+    watchdog = threading.Timer(300, os.killpg, (proc.pid, signal.SIGKILL))  # reading never outlives the test
+    watchdog.start()
     try:
         for line in proc.stdout:
             out.append(line)
@@ -274,6 +280,7 @@ def test_an_elastic_restart_resumes_and_trains_the_uninterrupted_losses(tmp_path
                 killed = True
         assert proc.wait(timeout=300) == 0, "".join(out)[-3000:]
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     text = " ".join("".join(out).split())

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -50,8 +51,13 @@ def test_a_run_logged_to_a_file_says_what_it_is_doing_as_it_starts_each_phase(tm
                             stderr=subprocess.STDOUT, text=True, env=env)
     seen: list[tuple[float, str]] = []
     t0 = time.monotonic()
-    for line in proc.stdout:
-        seen.append((time.monotonic() - t0, line.strip()))
+    watchdog = threading.Timer(300, proc.kill)  # a hung run fails the test instead of hanging it
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            seen.append((time.monotonic() - t0, line.strip()))
+    finally:
+        watchdog.cancel()
     assert proc.wait(timeout=300) == 0, "\n".join(s for _, s in seen)[-3000:]
     text = "\n".join(s for _, s in seen)
     order = ["loading ", "checking the run's forward and loss against the plain model", "step 0: held-out eval",

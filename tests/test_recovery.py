@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -204,12 +205,17 @@ def test_exit_codes_finished_stopped_failed(tmp_path, tiny_run_assets):
     proc = subprocess.Popen([sys.executable, "-m", "leansft", "train", path], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if "data:" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    seen.append(proc.communicate(timeout=120)[0])
+    watchdog = threading.Timer(300, proc.kill)  # a hung run fails the test instead of hanging it
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "data:" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        seen.append(proc.communicate(timeout=120)[0])
+    finally:
+        watchdog.cancel()
     assert proc.returncode == EXIT_STOPPED, "".join(seen)[-2000:]
     assert "outside the training steps" in "".join(seen)
 
