@@ -287,3 +287,58 @@ def test_an_elastic_restart_resumes_and_trains_the_uninterrupted_losses(tmp_path
     assert killed and "resuming from the newest complete checkpoint" in text, text[-3000:]
     got, ref = losses(Path(cfg.output_dir)), losses(Path(whole.output_dir))
     assert set(got) == set(ref) and all(got[k] == pytest.approx(ref[k], abs=1e-6) for k in ref), (got, ref)
+
+
+def _two_nodes(config: str, dirs: list[Path], *extra: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Two torchrun launches (one rank each) that meet by c10d rendezvous on localhost, each in its own working
+    directory: two nodes with their own disks. Each launch is killed past ``timeout`` (the test then fails)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=leansft-test", "-m", "leansft", "train", config, *extra]
+    procs = [subprocess.Popen(cmd, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True) for d in dirs]
+    done = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(cmd, p.returncode, out, ""))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    return done
+
+
+@pytest.mark.slow
+def test_ranks_on_node_local_disks_refuse_together_instead_of_one_starting_fresh(tmp_path, tiny_run_assets):
+    """Two nodes with their own disks: the first run's checkpoints land on rank 0's node only. Resumed with
+    --resume auto, rank 0 found step-2 and rank 1 nothing, and rank 1 used to start from step 0 beside it (wrong
+    losses, then a hang). Now every node stops within 60 s with the same line naming each rank's view."""
+    import time
+
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=2", "checkpoint.save_every=2",
+                     "output_dir=run", "data.cache_dir=cache", "distributed.timeout_s=60")
+    config = write(cfg, tmp_path / "c.yaml")
+    nodes = [tmp_path / "node-a", tmp_path / "node-b"]
+    for n in nodes:
+        n.mkdir()
+    first = _two_nodes(config, nodes)
+    assert all(p.returncode == 0 for p in first), first[0].stdout[-2000:] + first[1].stdout[-2000:]
+    holders = [n for n in nodes if (n / "run" / "checkpoints").is_dir()]
+    assert len(holders) == 1  # rank 0's node alone: what node-local disks do to a DDP run
+    before = sorted(p.name for p in (holders[0] / "run" / "checkpoints").iterdir())
+    t0 = time.monotonic()
+    second = _two_nodes(config, nodes, "training.max_steps=4", "--resume", "auto")
+    took = time.monotonic() - t0
+    lines = [next((ln for ln in p.stdout.splitlines() if ln.startswith("error")), "") for p in second]
+    assert all(p.returncode != 0 for p in second) and took < 60, (took, second[0].stdout[-2000:])
+    reasons = [ln.split("): ", 1)[1] for ln in lines]  # after "error (rank R/2 on HOST)"
+    assert reasons[0] == reasons[1] and "would not resume from the same checkpoint" in reasons[0], lines
+    assert "step-2" in reasons[0] and "no checkpoint (a fresh start)" in reasons[0]
+    assert sorted(p.name for p in (holders[0] / "run" / "checkpoints").iterdir()) == before  # nothing pruned

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as tdist
@@ -68,6 +69,20 @@ def local_rank() -> int:
 
 def world_size() -> int:
     return tdist.get_world_size() if is_distributed() else 1
+
+
+def whoami() -> str:
+    """``rank R on HOST``: how a message names the process it comes from."""
+    return f"rank {rank()} on {socket.gethostname()}"
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj``, in rank order (``[obj]`` in a single process)."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * world_size()
+    tdist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

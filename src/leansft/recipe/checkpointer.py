@@ -101,9 +101,35 @@ def finished_run(path: Path | None, cfg: RunConfig) -> int | None:
 
 
 def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int) -> tuple[Path | None, int]:
-    """The checkpoint to resume from (None: a fresh start) and the gradient accumulation that keeps its
-    global step (world size x accumulation micro-batches) on this world size. A fresh start over an
-    earlier run's checkpoints, or a step that cannot be kept, is refused before anything is written."""
+    """The checkpoint to resume from (None: a fresh start) and the gradient accumulation that keeps its global
+    step, decided alike on every rank. Each rank finds its own (``_resume_point_here``: on node-local disks they can
+    differ); the views are gathered, and unless every rank found the same checkpoint, or a fresh start, every rank
+    refuses with the same words, naming each rank, its host and what it found. A rank never starts fresh while
+    another resumes."""
+    if world == 1:
+        return _resume_point_here(cfg, out, resume, world)
+    try:
+        path, accum = _resume_point_here(cfg, out, resume, world)
+        view = {"who": distributed.whoami(), "found": path.name if path else None, "error": None}
+    except LeanSFTError as err:
+        path, accum, view = None, 0, {"who": distributed.whoami(), "found": None, "error": str(err)}
+    views = distributed.all_gather_object(view)
+    failed = [v for v in views if v["error"]]
+    if failed:  # the first rank's reason, on every rank
+        raise LeanSFTError(f"{failed[0]['who']}: {failed[0]['error']}")
+    if len({v["found"] for v in views}) > 1:
+        seen = "; ".join(f"{v['who']}: {v['found'] or 'no checkpoint (a fresh start)'}" for v in views)
+        raise LeanSFTError(
+            f"the ranks would not resume from the same checkpoint ({seen}): each node reads output_dir {out} on its "
+            "own disk", hint="give every node the same shared output_dir (node-local checkpoints are not supported "
+                             "yet), or copy the checkpoint to every node; nothing was changed")
+    return path, accum
+
+
+def _resume_point_here(cfg: RunConfig, out: Path, resume: str | None, world: int) -> tuple[Path | None, int]:
+    """This rank's view: the checkpoint it finds and the accumulation that keeps the checkpoint's global step (world
+    size x accumulation micro-batches) on this world size. A fresh start over an earlier run's checkpoints, or a
+    step that cannot be kept, is refused before anything is written."""
     accum = cfg.batching.gradient_accumulation
     path = ckpt.find_resume(out, resume) if resume else None
     if path is None:
