@@ -44,8 +44,9 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
     for src in prep.get("sources", []):
         if src.get("template"):
             console.print(f"{src['path']}: {template_summary(src['template'])}")
-    if cleaning_line(prep):
-        console.print(f"cleaning: {cleaning_line(prep)}")
+    cleaned = cleaning_line(prep)
+    if cleaned:
+        console.print(f"cleaning: {cleaned}")
     ls = summary["lengths"]
     head = f"[bold]{summary['examples']:,}[/] {'example' if summary['examples'] == 1 else 'examples'}, " \
            f"{summary['tokens']:,} tokens"

@@ -29,11 +29,28 @@ log = logging.getLogger("leansft")
 _BF16_BASE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models whose base is stored in bf16
 
 
+def _decoder_linears(model, layers: slice = slice(None)) -> list[torch.nn.Linear]:
+    """The ``nn.Linear`` modules of the decoder layers (``layers``: which of them)."""
+    stack = getattr(decoder_of(model), "layers", None) or []
+    return [m for layer in list(stack)[layers] for m in layer.modules() if type(m) is torch.nn.Linear]
+
+
 def frozen_linears(model) -> list[torch.nn.Linear]:
     """The decoder layers' ``nn.Linear`` modules with a frozen fp32 weight (LoRA's base layers among them)."""
-    layers = getattr(decoder_of(model), "layers", None) or []
-    return [m for layer in layers for m in layer.modules()
-            if type(m) is torch.nn.Linear and not m.weight.requires_grad and m.weight.dtype == torch.float32]
+    return [m for m in _decoder_linears(model) if not m.weight.requires_grad and m.weight.dtype == torch.float32]
+
+
+def _recast(modules: list[torch.nn.Linear], dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """Give each module a frozen copy of its weight in ``dtype``; returns the weights they had (``_put_back``)."""
+    held = [m.weight for m in modules]
+    for m in modules:
+        m.weight = torch.nn.Parameter(m.weight.detach().to(dtype), requires_grad=False)
+    return held
+
+
+def _put_back(modules: list[torch.nn.Linear], weights: list[torch.nn.Parameter]) -> None:
+    for m, w in zip(modules, weights, strict=True):
+        m.weight = w
 
 
 def store_base_in_bf16(model, probe: Callable[[], torch.Tensor]) -> int:
@@ -47,15 +64,12 @@ def store_base_in_bf16(model, probe: Callable[[], torch.Tensor]) -> int:
     try:
         with torch.no_grad():
             before = probe()
-            fp32 = [m.weight for m in modules]
-            for m in modules:
-                m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
+            fp32 = _recast(modules, torch.bfloat16)
             same = torch.equal(before, probe())
     finally:
         model.train(was_training)
     if not same:
-        for m, w in zip(modules, fp32, strict=True):
-            m.weight = w
+        _put_back(modules, fp32)
         log.warning("frozen base kept in fp32: this model's forward under bf16 autocast changes when its linear "
                     "weights are stored in bf16 (it uses a weight's dtype or a weight outside autocast)")
         return 0
@@ -81,11 +95,6 @@ def saved_in_bf16(path: str) -> bool:
     return (cfg.get("dtype") or cfg.get("torch_dtype")) == "bfloat16"
 
 
-def _decoder_linears(model) -> list[torch.nn.Linear]:
-    layers = getattr(decoder_of(model), "layers", None) or []
-    return [m for layer in layers for m in layer.modules() if type(m) is torch.nn.Linear]
-
-
 def load_base_in_bf16(model) -> int:
     """``model`` (LoRA applied) was read in bf16: every parameter and floating buffer back in fp32 except the
     frozen linear weights of its decoder layers; returns how many stay bf16. The base is then held as
@@ -108,29 +117,21 @@ def confirm_bf16_base(model, probe: Callable[[], torch.Tensor]) -> int:
     as fp32 (the values an fp32 load holds) and as bf16 must be bitwise the same, as ``store_base_in_bf16`` asks of
     the whole model. Else every decoder linear weight is upcast to fp32 (a warning). Returns how many linear
     layers stay in bf16 (0: upcast)."""
-    layers = getattr(decoder_of(model), "layers", None) or []
-    first = [m for m in layers[0].modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16] \
-        if len(layers) else []
+    first = [m for m in _decoder_linears(model, slice(0, 1)) if m.weight.dtype == torch.bfloat16]
     if not first:
         return 0
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            low = [m.weight for m in first]
-            for m in first:
-                m.weight = torch.nn.Parameter(m.weight.detach().float(), requires_grad=False)
+            low = _recast(first, torch.float32)
             before = probe()
-            for m, w in zip(first, low, strict=True):
-                m.weight = w
+            _put_back(first, low)
             same = torch.equal(before, probe())
     finally:
         model.train(was_training)
     if not same:
-        with torch.no_grad():
-            for m in _decoder_linears(model):
-                if m.weight.dtype == torch.bfloat16:
-                    m.weight = torch.nn.Parameter(m.weight.detach().float(), requires_grad=False)
+        _recast([m for m in _decoder_linears(model) if m.weight.dtype == torch.bfloat16], torch.float32)
         _BF16_BASE.discard(model)
         log.warning("frozen base upcast to fp32: this model's forward under bf16 autocast changes when its linear "
                     "weights are held in bf16 (it uses a weight's dtype or a weight outside autocast)")
