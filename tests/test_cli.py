@@ -305,3 +305,21 @@ def test_tool_data_on_a_template_without_tools_names_the_template_that_has_them(
     captured = capsys.readouterr()
     assert "examples/templates/chatml_tools.jinja" in captured.err
     assert "0 conversations" not in captured.out + captured.err  # no "prepared" line for a refused source
+
+
+def test_the_malloc_settings_stay_off_where_a_gpu_is_visible(monkeypatch, tmp_path):
+    from leansft.core.cpu import malloc
+
+    monkeypatch.setattr(malloc, "gpu_visible", lambda environ=None: True)
+    assert not malloc.wanted(["train", "c.yaml"], {"LEANSFT_MALLOC": "1"})
+    monkeypatch.undo()
+    assert not malloc.gpu_visible({"CUDA_VISIBLE_DEVICES": ""})  # no device handed to this process
+
+
+def test_the_start_line_names_qlora_layers_compute_dtype():
+    from leansft.core.config import load_config
+    from leansft.recipe.train import compute_dtype
+
+    cfg = load_config(None, ["model=m", "training.method=qlora"])
+    assert compute_dtype(cfg, None) == "fp32, 4-bit layers computing in float32"  # auto: fp32 on the CPU
+    assert compute_dtype(load_config(None, ["model=m"]), None) == "fp32"

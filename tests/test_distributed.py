@@ -342,3 +342,13 @@ def test_ranks_on_node_local_disks_refuse_together_instead_of_one_starting_fresh
     assert reasons[0] == reasons[1] and "would not resume from the same checkpoint" in reasons[0], lines
     assert "step-2" in reasons[0] and "no checkpoint (a fresh start)" in reasons[0]
     assert sorted(p.name for p in (holders[0] / "run" / "checkpoints").iterdir()) == before  # nothing pruned
+
+
+def test_a_peer_failure_is_named_and_anything_else_is_left_alone():
+    from leansft.core.distributed import peer_failure
+
+    line = peer_failure(RuntimeError("[gloo] Timed out waiting 20000ms for recv operation"), 20)
+    assert line is not None and "distributed.timeout_s=20" in line
+    assert "another rank ended" in peer_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), 600)
+    assert peer_failure(RuntimeError("shape mismatch"), 600) is None
+    assert peer_failure(ValueError("Timed out"), 600) is None  # not a collective's error
