@@ -41,9 +41,10 @@ def checkpoint_of(source: str) -> Path | None:
     return path if (path / "state.json").is_file() else None
 
 
-def load_source(source: str):
-    """(model with LoRA merged, tokenizer, chat template, config or None) from a run, checkpoint or model folder."""
-    path = checkpoint_of(source)
+def load_source(source: str, checkpoint: Path | None = None):
+    """(model with LoRA merged, tokenizer, chat template, config or None) from a run, checkpoint or model folder.
+    ``checkpoint``: ``checkpoint_of(source)`` where the caller found it already (it verifies every file)."""
+    path = checkpoint or checkpoint_of(source)
     if path is not None:
         cfg = load_config(str(path / "config.yaml"))
         model_path = model_location(cfg)
@@ -74,26 +75,26 @@ def load_source(source: str):
 
 
 def export_source(source: str, to: str, out: str, dtype: str = "f16") -> Path:
-    model, tokenizer, template, cfg = load_source(source)
+    checkpoint = checkpoint_of(source)  # once: finding a run's newest intact checkpoint reads every file
+    model, tokenizer, template, cfg = load_source(source, checkpoint)
     target = Path(out)
     if to == "gguf":
         return export_gguf(model, tokenizer, template.source if template else None, target, dtype,
                            stop_token_ids(tokenizer, template))
     folder = export(model, tokenizer, template or ChatTemplate("tokenizer", tokenizer.chat_template or ""), target,
                     cfg)
-    card = model_card_for(source, cfg, folder)
+    card = model_card_for(source, checkpoint, cfg, folder)
     if card is not None:
         log.info("model card: %s", card)
     return folder
 
 
-def model_card_for(source: str, cfg, folder: Path) -> Path | None:
+def model_card_for(source: str, path: Path | None, cfg, folder: Path) -> Path | None:
     """The exported folder's model card, as ``final/`` has one: a checkpoint's from its run's records, a model
-    folder's own copied; None where there is none to write."""
+    folder's own copied; None where there is none to write. ``path``: the checkpoint ``source`` means, if any."""
     from leansft.recipe.model_card import write_model_card
     from leansft.recipe.report import read_jsonl
 
-    path = checkpoint_of(source)
     if path is None:
         own = Path(source) / "README.md"
         if own.is_file():
