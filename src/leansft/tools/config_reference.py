@@ -36,9 +36,11 @@ def rows(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str
         elif sub is not None:
             out += rows(sub, key + ".")
         else:
-            default = field.get_default(call_default_factory=True) if not field.is_required() else "(required)"
-            shown = default if isinstance(default, str) and default == "(required)" else json.dumps(
-                list(default) if isinstance(default, tuple) else default)
+            if field.is_required():
+                shown = "(required)"
+            else:
+                default = field.get_default(call_default_factory=True)
+                shown = json.dumps(list(default) if isinstance(default, tuple) else default)
             out.append((key, shown, field.description or ""))
     return out
 
