@@ -58,3 +58,8 @@ class ConfigError(LeanSFTError):
 
 class ModelError(LeanSFTError):
     """A model or tokenizer cannot be loaded or is used in a way that would be wrong."""
+
+
+class PeerFailure(LeanSFTError):
+    """Another rank stopped answering or ended. The process ends at once after saying so: the process group's
+    teardown (and the pending collective's destructor) would wait on the peer that is gone."""

@@ -26,7 +26,7 @@ from leansft.core import cpu, distributed
 from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
 from leansft.core.data.prepare import PreparedData, prepare_data
 from leansft.core.data.tokenizer import pad_id
-from leansft.core.errors import LeanSFTError
+from leansft.core.errors import LeanSFTError, PeerFailure
 from leansft.core.io.hf_export import export, gather_full_weights
 from leansft.core.model.bf16_base import holds_bf16_base
 from leansft.core.model.forward import LossModule
@@ -324,7 +324,7 @@ def main_train(cfg: RunConfig, resume: str | None) -> int:
         line = distributed.peer_failure(err, cfg.distributed.timeout_s)
         if line is None:
             raise
-        raise LeanSFTError(line, hint="continue with --resume auto once every node runs again") from None
+        raise PeerFailure(line, hint="continue with --resume auto once every node runs again") from None
     finally:
         distributed.shutdown(wait=ended_well)
     return EXIT_STOPPED if result.get("stopped") else 0

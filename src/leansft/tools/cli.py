@@ -29,7 +29,7 @@ from leansft.core.config import (
     TrainingConfig,
     load_config,
 )
-from leansft.core.errors import LeanSFTError
+from leansft.core.errors import LeanSFTError, PeerFailure
 
 # torch, transformers and the modules built on them are imported by the command that needs them: `leansft --help`
 # and a mistyped argument answer at once instead of after seconds of imports.
@@ -493,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             who = f" (rank {os.environ.get('RANK', '0')}/{world} on {socket.gethostname()})" if world > 1 else ""
             print(f"error{who}: {err}", file=sys.stderr)
+        if isinstance(err, PeerFailure):  # leaving normally would wait on the gone peer in a destructor
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_ERROR)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
