@@ -256,10 +256,11 @@ def _children(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
         parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").iterdir():
-            kids = (task / "children").read_text().split()
-            found += map(int, kids)
-            todo += map(int, kids)
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            for task in Path(f"/proc/{parent}/task").iterdir():
+                kids = (task / "children").read_text().split()
+                found += map(int, kids)
+                todo += map(int, kids)
     return found
 
 
@@ -305,10 +306,14 @@ def test_an_elastic_restart_resumes_and_trains_the_uninterrupted_losses(tmp_path
     assert set(got) == set(ref) and all(got[k] == pytest.approx(ref[k], abs=1e-6) for k in ref), (got, ref)
 
 
-def _two_nodes(config: str, dirs: list[Path], *extra: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+def _two_nodes(config: str, dirs: list[Path], *extra: str, timeout: float = 240,
+               kill_on: str | None = None) -> list[subprocess.CompletedProcess]:
     """Two torchrun launches (one rank each) that meet by c10d rendezvous on localhost, each in its own working
-    directory: two nodes with their own disks. Each launch is killed past ``timeout`` (the test then fails)."""
+    directory: two nodes with their own disks. ``kill_on``: both are killed (SIGKILL, every process) as soon as
+    either prints it. Each launch is killed past ``timeout`` (the test then fails on what it printed)."""
+    import signal
     import socket
+    import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -319,45 +324,129 @@ def _two_nodes(config: str, dirs: list[Path], *extra: str, timeout: float = 240)
            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=leansft-test", "-m", "leansft", "train", config, *extra]
     procs = [subprocess.Popen(cmd, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               start_new_session=True) for d in dirs]
-    done = []
+    outs: list[list[str]] = [[] for _ in procs]
+    seen = threading.Event()
+
+    def kill_all() -> None:  # the workers too: torchrun starts them in sessions of their own
+        for pid in [q for p in procs for q in _children(p.pid)] + [p.pid for p in procs]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def read(i: int) -> None:
+        for line in procs[i].stdout:
+            outs[i].append(line)
+            if kill_on and kill_on in line and not seen.is_set():
+                seen.set()
+                kill_all()  # at once: the tiny run takes milliseconds a step
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for r in readers:
+        r.start()
+    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(cmd, p.returncode, out, ""))
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
+        if any(p.poll() is None for p in procs):
+            kill_all()
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-    return done
+            p.wait()
+        for r in readers:
+            r.join(timeout=10)
+    return [subprocess.CompletedProcess(cmd, p.returncode, "".join(o), "") for p, o in zip(procs, outs, strict=True)]
 
 
-@pytest.mark.slow
-def test_ranks_on_node_local_disks_refuse_together_instead_of_one_starting_fresh(tmp_path, tiny_run_assets):
-    """Two nodes with their own disks: the first run's checkpoints land on rank 0's node only. Resumed with
-    --resume auto, rank 0 found step-2 and rank 1 nothing, and rank 1 used to start from step 0 beside it (wrong
-    losses, then a hang). Now every node stops within 60 s with the same line naming each rank's view."""
-    import time
-
-    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=2", "checkpoint.save_every=2",
-                     "output_dir=run", "data.cache_dir=cache", "distributed.timeout_s=60")
-    config = write(cfg, tmp_path / "c.yaml")
+def _nodes(tmp_path: Path) -> list[Path]:
     nodes = [tmp_path / "node-a", tmp_path / "node-b"]
     for n in nodes:
         n.mkdir()
-    first = _two_nodes(config, nodes)
-    assert all(p.returncode == 0 for p in first), first[0].stdout[-2000:] + first[1].stdout[-2000:]
-    holders = [n for n in nodes if (n / "run" / "checkpoints").is_dir()]
-    assert len(holders) == 1  # rank 0's node alone: what node-local disks do to a DDP run
-    before = sorted(p.name for p in (holders[0] / "run" / "checkpoints").iterdir())
+    return nodes
+
+
+# Two nodes (one rank each, accumulation 1) against one process with accumulation 2: the same global steps.
+NODE_RUN = ("training.max_steps=24", "checkpoint.save_every=2", "checkpoint.keep_last=2", "training.learning_rate=1e-3")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_run_assets) -> dict[int, float]:
+    from leansft.recipe.train import train
+
+    cfg = run_config(tmp_path_factory.mktemp("one_process"), tiny_run_assets, *NODE_RUN)
+    train(cfg)
+    return losses(Path(cfg.output_dir))
+
+
+def _node_losses(nodes: list[Path]) -> dict[int, float]:
+    """The run's losses as rank 0 logged them: rank 0 may be on either node in each launch (c10d orders the
+    agents itself), so its metrics.jsonl is read on both."""
+    found: dict[int, float] = {}
+    for n in nodes:
+        if (n / "run" / "metrics.jsonl").exists():
+            for step, loss in losses(n / "run").items():
+                assert found.get(step, loss) == loss  # a step logged on both nodes: the same value
+                found[step] = loss
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_node_local_disks_killed_then_resumed_train_the_one_process_losses(tmp_path, tiny_run_assets, one_process,
+                                                                          strategy):
+    """Two nodes with their own disks, both killed (SIGKILL) once the first checkpoint is saved, then started again
+    with --resume auto: every node holds its part of each checkpoint, every rank resumes from the same one, and the
+    losses are the single process's. FSDP: each node holds its rank's shard, and each node's manifest lists both.
+    Then, with one node's checkpoints gone, every node stops with the same line and nothing is pruned."""
+    import time
+
+    cfg = run_config(tmp_path, tiny_run_assets, *NODE_RUN, "batching.gradient_accumulation=1", "output_dir=run",
+                     "data.cache_dir=cache", f"distributed.strategy={strategy}", "distributed.timeout_s=60")
+    config, nodes = write(cfg, tmp_path / "c.yaml"), _nodes(tmp_path)
+    first = _two_nodes(config, nodes, kill_on="saved checkpoint")
+    said = " ".join((first[0].stdout + first[1].stdout).split())
+    assert "node-local storage" in said and "once per node" in said, said[-3000:]
+    assert all(p.returncode != 0 for p in first)  # killed
+    saved = [{p.name for p in (n / "run" / "checkpoints").glob("step-*")} for n in nodes]
+    assert "step-2" in saved[0] & saved[1], (saved, said[-3000:])  # saved before the kill: on both disks
+    second = _two_nodes(config, nodes, "--resume", "auto")
+    text = " ".join((second[0].stdout + second[1].stdout).split())
+    assert all(p.returncode == 0 for p in second), text[-3000:]
+    assert "resumed from run/checkpoints/step-" in text, text[-3000:]
+    got = _node_losses(nodes)
+    assert sorted(got) == sorted(one_process), (got, one_process)
+    assert all(got[k] == pytest.approx(one_process[k], abs=1e-6) for k in one_process), (got, one_process)
+    for n in nodes:
+        assert not list((n / "run" / "checkpoints").glob(".tmp-*"))
+        assert sorted(p.name for p in (n / "run" / "checkpoints").iterdir()) == ["step-22", "step-24"]
+    if strategy == "fsdp":
+        for n in nodes:
+            listed = json.loads((n / "run" / "checkpoints" / "step-24" / "manifest.json").read_text())["files"]
+            assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= set(listed)
+            held = {p.name for p in (n / "run" / "checkpoints" / "step-24" / "dcp").glob("*.distcp")}
+            assert len(held) == 1  # its own rank's shard only
+        return
+    shutil.rmtree(nodes[1] / "run" / "checkpoints")
+    before = sorted(p.name for p in (nodes[0] / "run" / "checkpoints").iterdir())
     t0 = time.monotonic()
-    second = _two_nodes(config, nodes, "training.max_steps=4", "--resume", "auto")
+    third = _two_nodes(config, nodes, "training.max_steps=30", "--resume", "auto", timeout=120)
     took = time.monotonic() - t0
-    lines = [next((ln for ln in p.stdout.splitlines() if ln.startswith("error")), "") for p in second]
-    assert all(p.returncode != 0 for p in second) and took < 60, (took, second[0].stdout[-2000:])
+    lines = [next((ln for ln in p.stdout.splitlines() if ln.startswith("error")), "") for p in third]
+    assert all(p.returncode != 0 for p in third) and took < 60, (took, third[0].stdout[-2000:])
     reasons = [ln.split("): ", 1)[1] for ln in lines]  # after "error (rank R/2 on HOST)"
-    assert reasons[0] == reasons[1] and "would not resume from the same checkpoint" in reasons[0], lines
-    assert "step-2" in reasons[0] and "no checkpoint (a fresh start)" in reasons[0]
-    assert sorted(p.name for p in (holders[0] / "run" / "checkpoints").iterdir()) == before  # nothing pruned
+    assert reasons[0] == reasons[1] and "no intact checkpoint in common" in reasons[0], lines
+    assert "step-22, step-24" in reasons[0] and ": none" in reasons[0]
+    assert sorted(p.name for p in (nodes[0] / "run" / "checkpoints").iterdir()) == before  # nothing pruned
+
+
+@pytest.mark.slow
+def test_shared_storage_is_refused_on_node_local_disks(tmp_path, tiny_run_assets):
+    """checkpoint.storage: shared promises one output_dir for every node; on two nodes' own disks every node
+    stops at once, naming the rank that cannot see rank 0's files."""
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=2", "output_dir=run", "data.cache_dir=cache",
+                     "checkpoint.storage=shared", "distributed.timeout_s=60")
+    done = _two_nodes(write(cfg, tmp_path / "c.yaml"), _nodes(tmp_path), timeout=120)
+    lines = [next((ln for ln in p.stdout.splitlines() if ln.startswith("error")), "") for p in done]
+    assert all(p.returncode != 0 for p in done), done[0].stdout[-2000:]  # torchrun's 1 for its worker's 2
+    assert all("checkpoint.storage is shared" in ln and "rank 1 on " in ln for ln in lines), lines
 
 
 def test_a_peer_failure_is_named_and_anything_else_is_left_alone():

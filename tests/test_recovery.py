@@ -475,3 +475,22 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(tmp_path, tiny_run_
                                           f"output_dir={run}"), "--resume", "auto"]) == 0
     assert "nothing left to train" in caplog.text
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
+def test_a_checkpoint_missing_a_ranks_shard_does_not_verify(tmp_path):
+    """The manifest lists every rank's FSDP shard with its rank: a copy without one is damaged (it used to verify,
+    listing rank 0's files alone), while a node that holds its own ranks' shards checks only those."""
+    folder = tmp_path / "step-1"
+    (folder / "dcp").mkdir(parents=True)
+    (folder / "state.json").write_text("{}")
+    owned = {}
+    for r in (0, 1):
+        shard = folder / "dcp" / f"__{r}_0.distcp"
+        shard.write_bytes(bytes([r]) * 64)
+        owned[f"dcp/{shard.name}"] = {**ckpt._file_entry(shard), "rank": r}
+    ckpt._write_manifest(folder, owned, "node_local")
+    assert ckpt.damage(folder) is None
+    (folder / "dcp" / "__1_0.distcp").unlink()  # what node 0 of two holds
+    assert ckpt.damage(folder) == "dcp/__1_0.distcp missing (rank 1's shard)"
+    assert ckpt.damage(folder, ranks={0}) is None
+    assert ckpt.damage(folder, ranks={1}) == "dcp/__1_0.distcp missing (rank 1's shard)"

@@ -194,6 +194,10 @@ class CheckpointConfig(_Strict):
     keep_best: int = Field(1, ge=0, description="checkpoints kept by best eval loss, besides keep_last")
     export: bool = Field(True,
                          description="write OUTPUT_DIR/final (a Hugging Face folder with a model card) at the end")
+    storage: Literal["auto", "shared", "node_local"] = Field(
+        "auto", description="where the ranks of a multi-node run keep checkpoints: shared (output_dir is one folder "
+        "every node mounts; refused otherwise), node_local (each node's own disk: each node writes its part of "
+        "every checkpoint), auto (found at start by a token file every rank reads back, and logged)")
 
 
 Tracker = Literal["tensorboard", "wandb", "mlflow"]

@@ -9,6 +9,9 @@ import contextlib
 import datetime
 import os
 import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -85,22 +88,98 @@ def all_gather_object(obj) -> list:
     return out
 
 
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     if is_distributed():
         tdist.barrier()
 
 
+@dataclass(frozen=True)
+class Storage:
+    """How the ranks share a folder: ``groups`` are the ranks that see the same files there, lowest rank first
+    (one group: one folder for all, a single machine or shared storage; one per node: each node's own disk).
+    The lowest rank of a group writes what the group keeps there."""
+
+    groups: tuple[tuple[int, ...], ...] = ((0,),)
+    names: tuple[str, ...] = ("rank 0",)  # each rank's ``whoami()``, for messages
+
+    @classmethod
+    def one_folder(cls) -> Storage:
+        """Every rank sees the same folder (what a caller that did not look assumes)."""
+        return cls((tuple(range(world_size())),), tuple(f"rank {r}" for r in range(world_size())))
+
+    @property
+    def shared(self) -> bool:
+        return len(self.groups) == 1
+
+    def group(self, of: int | None = None) -> tuple[int, ...]:
+        r = rank() if of is None else of
+        return next(g for g in self.groups if r in g)
+
+    def writer(self) -> bool:
+        """This rank writes for its group."""
+        return rank() == self.group()[0]
+
+    def describe(self) -> str:
+        if self.shared:
+            return "one folder for every rank"
+        return f"each of {len(self.groups)} groups of ranks has its own ({'; '.join(map(_ranks, self.groups))})"
+
+
+def _ranks(group: tuple[int, ...]) -> str:
+    return f"rank {group[0]}" if len(group) == 1 else f"ranks {','.join(map(str, group))}"
+
+
+def storage_of(folder: Path) -> Storage:
+    """Which ranks see the same ``folder`` (created if missing): each rank leaves a token file there and reads
+    back which of the others' it finds. Ranks that see each other form a group; anything but clean groups
+    (rank a sees b but not b a, say) is an error naming what each rank saw. A single process: one group."""
+    if not is_distributed():
+        return Storage(names=(whoami(),))
+    nonce = broadcast_object(uuid.uuid4().hex)
+    probe = Path(folder) / f".leansft-storage-{nonce[:12]}"
+    mine = probe / f"rank-{rank()}"
+    error = None
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        mine.write_text(nonce)
+    except OSError as err:
+        error = f"{type(err).__name__}: {err}"
+    errors = all_gather_object((whoami(), error))  # also: every token is written before any is read
+    if any(e for _, e in errors):
+        who, e = next((w, e) for w, e in errors if e)
+        raise RuntimeError(f"{who} cannot write to {folder}: {e}")
+    seen = sorted(int(f.name[5:]) for f in probe.glob("rank-*") if f.name[5:].isdigit() and f.read_text() == nonce)
+    views = all_gather_object((whoami(), tuple(seen)))
+    mine.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        probe.rmdir()  # the last rank of a group to get here removes it
+    groups = sorted({v for _, v in views})
+    if any(r not in views[r][1] for r in range(len(views))) or sum(map(len, groups)) != len(views):
+        raise RuntimeError(f"the ranks see {folder} inconsistently: "
+                           + "; ".join(f"{who} sees the files of {_ranks(v) if v else 'no rank'}" for who, v in views))
+    return Storage(tuple(groups), tuple(who for who, _ in views))
+
+
 @contextlib.contextmanager
-def rank_zero_first():
-    """Rank 0 runs the block first (e.g. builds the tokenisation cache); the others then reuse it. If it
-    fails on rank 0, the others are released all the same and meet the same error themselves, so every
-    rank stops with one clear message instead of hanging at the barrier."""
-    if rank() != 0:
+def writers_first(storage: Storage):
+    """The writer of each group runs the block first (e.g. builds the tokenisation cache in its group's folder);
+    the others then reuse what it made. If it fails there, the others are released all the same and meet the same
+    error themselves, so every rank stops with one clear message instead of hanging at the barrier."""
+    if not storage.writer():
         barrier()
     try:
         yield
     finally:
-        if rank() == 0:
+        if storage.writer():
             barrier()
 
 

@@ -79,9 +79,11 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 def model_location(cfg: RunConfig) -> str:
-    """The model folder to load (``pkg:`` and .gguf resolved; rank 0 converts a GGUF first)."""
-    with distributed.rank_zero_first():
-        return resolve_model_path(cfg.model, cache_dir(cfg.data.cache_dir))
+    """The model folder to load (``pkg:`` and .gguf resolved; a GGUF is converted once per cache folder: by rank 0
+    where the ranks share it, by each node where each has its own)."""
+    cache = cache_dir(cfg.data.cache_dir)
+    with distributed.writers_first(distributed.storage_of(cache)):
+        return resolve_model_path(cfg.model, cache)
 
 
 def frozen_base_in_bf16(cfg: RunConfig, device: torch.device) -> bool:

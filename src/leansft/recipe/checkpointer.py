@@ -100,47 +100,41 @@ def finished_run(path: Path | None, cfg: RunConfig) -> int | None:
     return state["step"] if state.get("finished") and same and ended and exported else None
 
 
-def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int) -> tuple[Path | None, int]:
-    """The checkpoint to resume from (None: a fresh start) and the gradient accumulation that keeps its global
-    step, decided alike on every rank. Each rank finds its own (``_resume_point_here``: on node-local disks they can
-    differ); the views are gathered, and unless every rank found the same checkpoint, or a fresh start, every rank
-    refuses with the same words, naming each rank, its host and what it found. A rank never starts fresh while
-    another resumes."""
-    if world == 1:
-        return _resume_point_here(cfg, out, resume, world)
+def checkpoint_storage(cfg: RunConfig, out: Path) -> distributed.Storage:
+    """How the ranks share ``output_dir`` (``distributed.storage_of``: every rank reads back a token file), held
+    against ``checkpoint.storage``: ``shared`` refuses anything but one folder for every rank, naming a rank that
+    cannot see rank 0's; ``node_local`` and ``auto`` take what is there. Said once, by rank 0."""
     try:
-        path, accum = _resume_point_here(cfg, out, resume, world)
-        view = {"who": distributed.whoami(), "found": path.name if path else None, "error": None}
-    except LeanSFTError as err:
-        path, accum, view = None, 0, {"who": distributed.whoami(), "found": None, "error": str(err)}
-    views = distributed.all_gather_object(view)
-    failed = [v for v in views if v["error"]]
-    if failed:  # the first rank's reason, on every rank
-        raise LeanSFTError(f"{failed[0]['who']}: {failed[0]['error']}")
-    if len({v["found"] for v in views}) > 1:
-        seen = "; ".join(f"{v['who']}: {v['found'] or 'no checkpoint (a fresh start)'}" for v in views)
+        storage = distributed.storage_of(out)
+    except RuntimeError as err:
+        raise LeanSFTError(str(err), file=str(out)) from None
+    want, world = cfg.checkpoint.storage, distributed.world_size()
+    if want == "shared" and not storage.shared:
+        blind = next(r for r in range(world) if r not in storage.group(0))
         raise LeanSFTError(
-            f"the ranks would not resume from the same checkpoint ({seen}): each node reads output_dir {out} on its "
-            "own disk", hint="give every node the same shared output_dir (node-local checkpoints are not supported "
-                             "yet), or copy the checkpoint to every node; nothing was changed")
-    return path, accum
+            f"checkpoint.storage is shared, but output_dir {out} is not one folder for every rank: "
+            f"{storage.names[blind]} does not see what rank 0 writes there ({storage.describe()})",
+            hint="give every node the same mounted output_dir, or set checkpoint.storage: node_local (each node "
+                 "keeps its own part of every checkpoint)")
+    if world > 1 and distributed.rank() == 0:
+        if storage.shared:
+            log.info("checkpoints: output_dir %s is one folder for every rank (shared storage); rank 0 writes them%s",
+                     out, " (checkpoint.storage: node_local, but nothing is node-local here)"
+                     if want == "node_local" else "")
+        else:
+            log.info("checkpoints: output_dir %s is each node's own (node-local storage; %s): each node writes its "
+                     "part of every checkpoint", out, storage.describe())
+    return storage
 
 
-def _resume_point_here(cfg: RunConfig, out: Path, resume: str | None, world: int) -> tuple[Path | None, int]:
-    """This rank's view: the checkpoint it finds and the accumulation that keeps the checkpoint's global step (world
-    size x accumulation micro-batches) on this world size. A fresh start over an earlier run's checkpoints, or a
-    step that cannot be kept, is refused before anything is written."""
+def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int,
+                 storage: distributed.Storage | None = None) -> tuple[Path | None, int]:
+    """The checkpoint to resume from (None: a fresh start) and the gradient accumulation that keeps its global
+    step, decided alike on every rank (``agreed_checkpoint``). A step that cannot be kept is refused."""
     accum = cfg.batching.gradient_accumulation
-    path = ckpt.find_resume(out, resume) if resume else None
+    path = agreed_checkpoint(out, resume, storage or distributed.Storage.one_folder(),
+                             world > 1 and cfg.distributed.strategy == "fsdp")
     if path is None:
-        earlier = ckpt.list_checkpoints(out / "checkpoints")
-        if earlier:  # every rank checks, so all stop together
-            raise LeanSFTError(
-                f"output_dir already holds checkpoints of an earlier run (latest {earlier[-1].name})",
-                file=str(out),
-                hint="continue it with --resume auto (a finished run has nothing left to train: export, report "
-                     "or eval it), or choose another output_dir (nothing was changed)",
-            )
         return None, accum
     saved = json.loads((path / "state.json").read_text())
     per_step = saved.get("world_size", 1) * saved.get("gradient_accumulation", accum)
@@ -149,17 +143,81 @@ def _resume_point_here(cfg: RunConfig, out: Path, resume: str | None, world: int
             f"the checkpoint's step is {per_step} micro-batches ({saved.get('world_size', 1)} ranks x accumulation "
             f"{saved.get('gradient_accumulation', accum)}), which {world} ranks cannot split evenly", file=str(path),
             hint="resume on a world size that divides it")
-    if per_step // world != accum:
+    if per_step // world != accum and distributed.rank() == 0:
         log.warning("resuming a %d-rank run on %d ranks: gradient_accumulation %d -> %d keeps the same global step",
                     saved.get("world_size", 1), world, accum, per_step // world)
     return path, per_step // world
 
 
+def agreed_checkpoint(out: Path, resume: str | None, storage: distributed.Storage, sharded: bool) -> Path | None:
+    """One checkpoint for every rank, or one refusal in the same words on every rank. The first rank of each group
+    of ranks sharing a folder (``storage``) speaks for it: it cleans the group's unfinished checkpoint folders,
+    lists its checkpoints, and verifies (``damage_for``) what its ranks will read. ``auto``: the newest checkpoint
+    every group holds intact (newer or damaged ones are named in the log and skipped); none anywhere is a fresh
+    start, but none in common while some group holds one is refused: a rank never starts fresh while another
+    resumes. A path: it, intact for every group. Without ``resume``: a fresh start, refused over earlier checkpoints."""
+    folder, writer, world = out / "checkpoints", storage.writer(), distributed.world_size()
+    where = (lambda who: f"{who}: ") if world > 1 else (lambda who: "")
+    if resume and resume != "auto":
+        path = Path(resume)
+        problem = None if not writer else ("not a checkpoint folder" if not path.is_dir()
+                                           else ckpt.damage_for(path, storage, sharded))
+        failed = [(who, p) for who, p in distributed.all_gather_object((distributed.whoami(), problem)) if p]
+        if failed:
+            who, p = failed[0]
+            raise LeanSFTError(where(who) + (p if p == "not a checkpoint folder" else f"damaged checkpoint: {p}"),
+                               file=resume)
+        return path
+    if writer:
+        ckpt.clean_unfinished(folder)
+    names = [p.name for p in ckpt.list_checkpoints(folder)] if writer else None
+    held = [(who, n) for who, n in distributed.all_gather_object((distributed.whoami(), names)) if n is not None]
+    if not resume:
+        earlier = next(((who, n) for who, n in held if n), None)
+        if earlier:  # every rank knows, so all stop together
+            raise LeanSFTError(
+                f"output_dir already holds checkpoints of an earlier run (latest {earlier[1][-1]}"
+                + (f" on {earlier[0]})" if world > 1 else ")"), file=str(out),
+                hint="continue it with --resume auto (a finished run has nothing left to train: export, report "
+                     "or eval it), or choose another output_dir (nothing was changed)")
+        return None
+    common = sorted(set.intersection(*(set(n) for _, n in held)), key=lambda n: int(n[len(ckpt.PREFIX):]), reverse=True)
+    skipped = []
+    for name in common:
+        problem = ckpt.damage_for(folder / name, storage, sharded) if writer else None
+        failed = [(who, p) for who, p in distributed.all_gather_object((distributed.whoami(), problem)) if p]
+        if not failed:
+            if distributed.rank() == 0:
+                for n, why in skipped:
+                    log.warning("checkpoint %s is damaged (%s); resuming from %s instead", n, why, name)
+                step = int(name[len(ckpt.PREFIX):])
+                for who, n in held:
+                    newer = [x for x in n if int(x[len(ckpt.PREFIX):]) > step and x not in common]
+                    if newer:
+                        log.warning("%s holds %s, which not every node holds; resuming from %s, the newest every "
+                                    "node holds", who, ", ".join(newer), name)
+            return folder / name
+        skipped.append((name, "; ".join(where(who) + p for who, p in failed)))
+    if not any(n for _, n in held):
+        return None
+    if len(held) == 1:
+        raise LeanSFTError("no intact checkpoint to resume: " + "; ".join(f"{n}: {w}" for n, w in skipped),
+                           file=str(folder))
+    seen = "; ".join(f"{who}: {', '.join(n) or 'none'}" for who, n in held)
+    damaged = f"; damaged: {'; '.join(f'{n}: {w}' for n, w in skipped)}" if skipped else ""
+    raise LeanSFTError(
+        f"the nodes hold no intact checkpoint in common to resume from (checkpoints by node: {seen}{damaged}): each "
+        f"node reads output_dir {out} on its own disk, and a rank must not start fresh while another resumes",
+        hint="copy the newest checkpoint folder to every node's output_dir, or resume from one every node holds "
+             "(--resume PATH); nothing was changed")
+
+
 class Checkpointer:
     def __init__(self, cfg: RunConfig, out: Path, root, optimizer, scheduler, sharded: bool = False,
-                 data_fingerprint: str | None = None) -> None:
+                 data_fingerprint: str | None = None, storage: distributed.Storage | None = None) -> None:
         self.folder = out / "checkpoints"
         self.cfg, self.root, self.optimizer, self.scheduler, self.sharded = cfg, root, optimizer, scheduler, sharded
+        self.storage = storage or distributed.Storage.one_folder()
         self.config_dict = cfg.model_dump(mode="json")
         self.data_fingerprint = data_fingerprint  # the training data's (TokenizedDataset.fingerprint)
 
@@ -168,7 +226,7 @@ class Checkpointer:
         if path is None:
             return TrainState(), {}
         self._check_config(path)
-        saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler)
+        saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler, verified=True)
         self._check_data(path, saved.get("data_fingerprint"))
         log.info("resumed from %s at step %d", path, saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
@@ -208,9 +266,7 @@ class Checkpointer:
         return done or bool(every and step % every == 0)
 
     def save(self, state: TrainState, evaluator: dict) -> None:
-        """Rank 0 writes (every rank takes part when the checkpoint is sharded), then old ones are pruned."""
-        if not self.sharded and distributed.rank() != 0:
-            return
+        """Every rank takes part (``save_checkpoint``); then each folder's writer prunes its old ones."""
         extra = state.as_dict()
         step = extra.pop("step")
         extra.update(eval_loss=evaluator.get("last_eval_loss"), evaluator=evaluator,
@@ -218,8 +274,10 @@ class Checkpointer:
                      data_fingerprint=self.data_fingerprint)
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra,
-                                    self.config_dict, self.sharded)
+                                    self.config_dict, self.sharded, self.storage)
         if distributed.rank() == 0:
             size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-            log.info("saved checkpoint %s (%.1f MB, %.1f s)", path, size / 1e6, time.perf_counter() - t0)
+            log.info("saved checkpoint %s (%.1f MB, %.1f s%s)", path, size / 1e6, time.perf_counter() - t0,
+                     "" if self.storage.shared else f", on each of {len(self.storage.groups)} nodes")
+        if self.storage.writer():
             ckpt.prune(self.folder, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)

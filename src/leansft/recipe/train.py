@@ -50,7 +50,7 @@ from leansft.recipe.builders import (
     store_frozen_base,
     verified_strategy,
 )
-from leansft.recipe.checkpointer import Checkpointer, finished_run, resume_point
+from leansft.recipe.checkpointer import Checkpointer, checkpoint_storage, finished_run, resume_point
 from leansft.recipe.divergence import DivergenceGuard
 from leansft.recipe.evaluator import Evaluator
 from leansft.recipe.metrics_log import MetricsLog, truncate_jsonl
@@ -131,8 +131,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     run = RunTotals()
     cfg = cfg.model_copy(deep=True)  # strategy/accumulation may change below; the caller's config stays as given
     rank, world, device, out = distributed.rank(), distributed.world_size(), pick_device(), check_output_dir(cfg.output_dir)
-    resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world)
-    done = finished_run(resume_from, cfg)
+    storage = checkpoint_storage(cfg, out)
+    resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world, storage)
+    done = distributed.broadcast_object(finished_run(resume_from, cfg) if rank == 0 else None)  # rank 0 has the logs
     if done is not None:  # before any model loads; nothing in the run folder is touched
         log.info("nothing left to train: %s finished at step %d (its final model, report and metrics are left as "
                  "they are; raise training.max_steps or epochs to train on)", out, done)
@@ -160,7 +161,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     sharded = world > 1 and cfg.distributed.strategy == "fsdp"
     engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
     checkpointer = Checkpointer(cfg, out, loss_module, engine.optimizer, engine.scheduler, sharded,
-                                data.train.fingerprint())
+                                data.train.fingerprint(), storage)
     state, evaluator_state = checkpointer.load(resume_from)
     run.wall_before = state.wall_seconds
     start_run_folder(cfg, out, data, state.step)

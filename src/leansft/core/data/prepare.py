@@ -16,6 +16,7 @@ from leansft.core.config import DataConfig, SourceConfig
 from leansft.core.data.dataset import PrepReport, TokenizedDataset, build_dataset
 from leansft.core.data.masking import ChatTemplate, resolve_template
 from leansft.core.data.tokenizer import load_tokenizer
+from leansft.core.paths import cache_dir
 
 log = logging.getLogger("leansft")
 
@@ -83,7 +84,12 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
     tokenizer = load_tokenizer(tokenizer_spec, trust_remote_code)
     template = resolve_template(tokenizer, cfg.template)
     eval_data = None
-    with distributed.rank_zero_first():
+    cache = distributed.storage_of(cache_dir(cfg.cache_dir))
+    if distributed.world_size() > 1 and distributed.rank() == 0:
+        log.info("preparing the data %s", f"once for all {distributed.world_size()} ranks (the cache folder "
+                 f"{cache_dir(cfg.cache_dir)} is shared)" if cache.shared else f"once per node (the cache folder "
+                 f"{cache_dir(cfg.cache_dir)}: {cache.describe()})")
+    with distributed.writers_first(cache):
         data, report = build_dataset(cfg, tokenizer, template, seed=seed, truncate=truncate)
         if holdout and cfg.eval_file:
             eval_data, _ = build_dataset(cfg, tokenizer, template, seed=seed,

@@ -57,12 +57,12 @@ def evaluate(model, data: TokenizedDataset, max_length: int, tokens_per_micro_ba
             batch = make().to(device)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 if sharded_module is not None:
-                    l, k, c = float(sharded_module(batch)), batch.target_tokens, 0
+                    part, k, c = float(sharded_module(batch)), batch.target_tokens, 0
                 else:
                     hidden = hidden_states(model, batch)
             if sharded_module is None:
-                l, k, c = eval_stats(model, hidden, batch.labels, chunk_size)
-            loss, n, correct = loss + l, n + k, correct + c
+                part, k, c = eval_stats(model, hidden, batch.labels, chunk_size)
+            loss, n, correct = loss + part, n + k, correct + c
     finally:
         model.train(was_training)
     mean = loss / max(n, 1)

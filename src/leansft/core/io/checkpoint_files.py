@@ -12,14 +12,16 @@ Layout of OUTPUT_DIR/checkpoints/step-N/:
                            param groups, numpy/python RNG, evaluator state (best, patience, history)
   config.yaml              the resolved run config
   dcp/                     FSDP only: model and optimizer state (instead of the two files above)
-  manifest.json            every other file with its size and sha256, written last
+  manifest.json            every other file with its size and sha256 (an FSDP shard also with its rank),
+                           whether the ranks shared the folder ("storage"), and the world size; written last
 Names are the parameter names of the model + loss module as torch.distributed.checkpoint's state-dict
 helpers give them, whatever the wrapping (none, DDP, FSDP), so a checkpoint resumes on another world
 size and strategy: safetensors load into any of them, and dcp/ is resharded on load.
 
 A checkpoint is written into a temporary folder, every file fsynced, the manifest written last, then
-renamed into place; a crash mid-write leaves the previous checkpoints untouched (temporary folders are
-ignored and cleaned). Resume verifies the manifest and falls back to the newest intact checkpoint.
+renamed into place once every rank's part is written; a crash mid-write leaves the previous checkpoints untouched
+(temporary folders are ignored and cleaned). Resume verifies the manifest and falls back to the newest intact
+checkpoint. On node-local disks each node's folder holds the whole checkpoint but other nodes' FSDP shards.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from leansft.core import distributed
 from leansft.core.errors import LeanSFTError
+from leansft.core.io import dcp_node_local
 
 log = logging.getLogger("leansft")
 PREFIX = "step-"
@@ -141,62 +144,110 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
 
 
 def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: dict, config: dict,
-                    sharded: bool = False) -> Path:
-    """Write checkpoint ``step`` under ``folder`` atomically; return its path.
+                    sharded: bool = False, storage: distributed.Storage | None = None) -> Path:
+    """Write checkpoint ``step`` under ``folder`` atomically; return its path. Call it on every rank.
 
-    ``root``: the model + loss module as trained (plain, DDP- or FSDP-wrapped). ``sharded`` (FSDP): every
-    rank writes its shards through torch.distributed.checkpoint into ``dcp/``; call it on every rank.
-    Otherwise rank 0 writes safetensors; call it on rank 0 alone. A write that fails (a full disk, say)
-    leaves the earlier checkpoints as they were and raises a clear error.
+    ``root``: the model + loss module as trained (plain, DDP- or FSDP-wrapped). ``storage``: which ranks share
+    ``folder`` (``distributed.storage_of``; default: all of them). The first rank of each group writes the
+    checkpoint into its group's folder (rank 0 alone on shared storage, each node on node-local disks), from
+    rank 0's state; with ``sharded`` (FSDP) every rank writes its own shards of ``dcp/`` through
+    torch.distributed.checkpoint (``dcp_node_local`` where the ranks do not share a folder). The manifest lists
+    every rank's files, so a checkpoint missing one does not verify. The step exists only when every group's part
+    is complete: each is written into a temporary folder, the ranks agree it is complete, then each is renamed. A
+    failure on any rank (a full disk, say) removes every temporary folder, leaves the earlier checkpoints as they
+    were and raises the same error on every rank.
     """
-    final = folder / f"{PREFIX}{step}"
-    tmp = folder / f".tmp-{PREFIX}{step}"
-    rank = distributed.rank()
-    try:
-        if rank == 0:
+    storage = storage or distributed.Storage.one_folder()
+    final, tmp = folder / f"{PREFIX}{step}", folder / f".tmp-{PREFIX}{step}"
+    rank, writer, several = distributed.rank(), storage.writer(), not storage.shared
+
+    def begin():
+        if writer:
             folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        if sharded:
-            distributed.barrier()
-            model_sd = get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True))
-            dcp.save({"model": model_sd, "optim": get_optimizer_state_dict(root, optimizer)},
-                     checkpoint_id=str(tmp / "dcp"))
-            distributed.barrier()
-        if rank == 0:
-            opt_meta = None
-            if not sharded:
-                write_safetensors(_model_state(root), tmp / "model.safetensors")
-                opt_tensors, opt_meta = _optimizer_state(root, optimizer)
-                write_safetensors(opt_tensors, tmp / "optimizer.safetensors")
-            rng_tensors, rng_meta = _rng_state()
-            write_safetensors(rng_tensors, tmp / "rng.safetensors")
-            full_state = {**state, "step": step, "scheduler": scheduler.state_dict(), "optimizer": opt_meta,
-                          "rng": rng_meta, "sharded": sharded, "world_size": distributed.world_size()}
-            (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
-            (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-            _write_manifest(tmp)
+            (tmp / "dcp" if sharded else tmp).mkdir(parents=True)
+        # what every folder holds is rank 0's: the writers of other groups get it here
+        return {"state": state, "scheduler": scheduler.state_dict(), "rng": _rng_state()} if rank == 0 else None
+
+    def shards():
+        both = {"model": get_model_state_dict(root, options=_TRAINED), "optim": get_optimizer_state_dict(root, optimizer)}
+        plans = None
+        if several:  # each group's folder gets what its ranks read, and a .metadata pointing there
+            plans = dcp_node_local.save(both, str(tmp / "dcp"), storage.groups)
+        else:
+            dcp.save(both, checkpoint_id=str(tmp / "dcp"))
+        own = {f"dcp/{f.name}": f for f in sorted((tmp / "dcp").glob(f"__{rank}_*.distcp"))}
+        return {name: {**_file_entry(f), "rank": rank} for name, f in own.items()}, plans
+
+    def write():
+        if not writer:
+            return
+        if sharded and plans:
+            (tmp / "dcp" / ".metadata").write_bytes(plans[storage.group()])
+        opt_meta = None
+        if not sharded:
+            write_safetensors(_model_state(root), tmp / "model.safetensors")
+            opt_tensors, opt_meta = _optimizer_state(root, optimizer)
+            write_safetensors(opt_tensors, tmp / "optimizer.safetensors")
+        rng_tensors, rng_meta = first["rng"]
+        write_safetensors(rng_tensors, tmp / "rng.safetensors")
+        full_state = {**first["state"], "step": step, "scheduler": first["scheduler"], "optimizer": opt_meta,
+                      "rng": rng_meta, "sharded": sharded, "world_size": distributed.world_size()}
+        (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
+        (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        _write_manifest(tmp, owned, "node_local" if several else "shared")
+
+    def rename():
+        if writer:
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(folder)
-    except OSError as err:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        full = err.errno == errno.ENOSPC
-        why = (f"the disk is full (about {_gb(_checkpoint_bytes(root))} needed, {_gb(_free_bytes(folder))} free)"
-               if full else f"{type(err).__name__}: {err}")
-        kept = ", ".join(p.name for p in list_checkpoints(folder)) or "none"
-        raise LeanSFTError(f"cannot write checkpoint step-{step}: {why}; kept: {kept} (intact)", file=str(folder),
-                           hint="free space or point output_dir elsewhere, then resume with --resume auto"
-                           if full else None) from None
+
+    try:
+        first = _agreed(begin, step, folder, tmp, writer, root)[0]
+        owned, plans = {}, None
+        if sharded:
+            parts = _agreed(shards, step, folder, tmp, writer, root)
+            owned, plans = {k: v for entries, _ in parts for k, v in entries.items()}, parts[0][1]
+        _agreed(write, step, folder, tmp, writer, root)
+        _agreed(rename, step, folder, tmp, writer, root)
     except BaseException:
-        if rank == 0:
+        if writer:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if sharded:
-        distributed.barrier()
     return final
+
+
+def _agreed(work, step: int, folder: Path, tmp: Path, writer: bool, root) -> list:
+    """``work()`` on every rank, then every rank's result (in rank order); where it failed on any rank, every rank
+    removes its temporary folder and raises the same error, naming the rank where it failed."""
+    own = None
+    try:
+        result, why = work(), None
+    except Exception as err:  # noqa: BLE001 - every rank must hear of it, or the others wait at the next collective
+        own, result, why = err, None, _why_not_written(err, root, folder)
+    views = distributed.all_gather_object((distributed.whoami(), why, result))
+    failed = [(who, w) for who, w, _ in views if w]
+    if not failed:
+        return [r for _, _, r in views]
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if own is not None and not isinstance(own, OSError) and not why[1]:
+        raise own  # not the disk's doing: its traceback here; the other ranks name this rank
+    who, (text, full) = failed[0]
+    where = f"{who}: " if distributed.world_size() > 1 else ""
+    kept = ", ".join(p.name for p in list_checkpoints(folder)) or "none"
+    raise LeanSFTError(f"cannot write checkpoint step-{step}: {where}{text}; kept: {kept} (intact)", file=str(folder),
+                       hint="free space or point output_dir elsewhere, then resume with --resume auto" if full else None)
+
+
+def _why_not_written(err: Exception, root, folder: Path) -> tuple[str, bool]:
+    """(what went wrong, whether the disk is full)."""
+    full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err)
+    if full:
+        return f"the disk is full (about {_gb(_checkpoint_bytes(root))} needed, {_gb(_free_bytes(folder))} free)", True
+    return f"{type(err).__name__}: {str(err)[:300]}", False
 
 
 def _gb(n: float) -> str:
@@ -228,23 +279,33 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_manifest(folder: Path) -> None:
-    """fsync every file, then list each with its size and sha256 in manifest.json, written last."""
-    files = sorted(f for f in folder.rglob("*") if f.is_file() and f.name != MANIFEST)
-    for f in files:
-        with f.open("rb") as fh:
-            os.fsync(fh.fileno())
-    entries = {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
+def _file_entry(f: Path) -> dict:
+    """A file's manifest entry, after fsyncing it."""
+    with f.open("rb") as fh:
+        os.fsync(fh.fileno())
+    return {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+
+
+def _write_manifest(folder: Path, owned: dict[str, dict] | None = None, storage: str = "shared") -> None:
+    """List every file of the checkpoint with its size and sha256 in manifest.json, written last: the files in
+    ``folder`` and ``owned``, the files each rank wrote itself (FSDP shards, entered by their rank, which hashed
+    them; on node-local disks they are on that rank's node only)."""
+    owned = owned or {}
+    files = sorted(f for f in folder.rglob("*") if f.is_file() and f.name != MANIFEST
+                   and str(f.relative_to(folder)) not in owned)
+    entries = {str(f.relative_to(folder)): _file_entry(f) for f in files}
     with (folder / MANIFEST).open("w") as fh:
-        json.dump({"files": entries}, fh, indent=1)
+        json.dump({"files": {**entries, **owned}, "storage": storage, "world_size": distributed.world_size()}, fh,
+                  indent=1)
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_dir(folder)
 
 
-def damage(path: Path) -> str | None:
+def damage(path: Path, ranks: set[int] | None = None) -> str | None:
     """What is wrong with checkpoint ``path`` (missing manifest, a file missing, truncated or changed),
-    or None when every file is as the manifest lists it."""
+    or None when every file is as the manifest lists it. ``ranks``: check only these ranks' own files (FSDP shards)
+    besides the common ones."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
@@ -252,9 +313,11 @@ def damage(path: Path) -> str | None:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return f"{MANIFEST} is damaged"
     for name, want in files.items():
+        if ranks is not None and "rank" in want and want["rank"] not in ranks:
+            continue
         f = path / name
         if not f.is_file():
-            return f"{name} missing"
+            return f"{name} missing" + (f" (rank {want['rank']}'s shard)" if "rank" in want else "")
         size = f.stat().st_size
         if size != want["bytes"]:
             return f"{name} has {size} bytes, {want['bytes']} were written"
@@ -263,12 +326,31 @@ def damage(path: Path) -> str | None:
     return None
 
 
-def load_checkpoint(path: Path, root, optimizer, scheduler) -> dict:
+def damage_for(path: Path, storage: distributed.Storage, sharded: bool) -> str | None:
+    """What this rank's group lacks of checkpoint ``path`` to resume it (``damage``). A checkpoint written on
+    node-local disks holds each rank's FSDP shards on that rank's node: resumed sharded on as many ranks, a group
+    reads its own ranks' shards; otherwise (another world size, or gathered whole) every rank's, which one node
+    alone does not hold."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return damage(path)
+    own = (manifest.get("storage") == "node_local" and sharded
+           and manifest.get("world_size") == distributed.world_size())
+    problem = damage(path, set(storage.group()) if own else None)
+    if problem and "shard)" in problem:
+        problem += (": a checkpoint on node-local disks resumes with each node running the ranks it ran when it "
+                    "was saved (FSDP, the same number of ranks)")
+    return problem
+
+
+def load_checkpoint(path: Path, root, optimizer, scheduler, verified: bool = False) -> dict:
     """Restore weights, optimizer, scheduler and RNG from a verified checkpoint; return its state.json.
+    ``verified``: the caller checked the files this rank reads (``damage_for``); else every file is checked here.
 
     Works across world sizes and strategies: safetensors (single process, DDP) load as full state into
     any wrapping; an FSDP ``dcp/`` checkpoint is resharded to the current ranks, or gathered whole."""
-    problem = damage(path)
+    problem = None if verified else damage(path)
     if problem:
         raise LeanSFTError(f"damaged checkpoint: {problem}", file=str(path))
     try:
@@ -398,12 +480,18 @@ def find_resume(output_dir: Path, resume: str) -> Path | None:
     return None
 
 
+def clean_unfinished(folder: Path) -> None:
+    """Remove the temporary folders of checkpoints whose write never finished (a crash, a killed node)."""
+    if folder.is_dir():
+        for tmp in folder.glob(".tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def prune(folder: Path, keep_last: int, keep_best: int) -> list[Path]:
     """Delete checkpoints that are neither among the last ``keep_last`` nor the ``keep_best`` lowest eval
     losses; return what is kept."""
     found = list_checkpoints(folder)
-    for tmp in folder.glob(".tmp-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    clean_unfinished(folder)
     keep = set(found[-keep_last:]) if keep_last else set()
     scored = []
     for p in found:
