@@ -168,3 +168,22 @@ def tiny_bloom(folder: Path, tokenizer_dir: str) -> str:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+def gguf_fields(path) -> tuple[dict, dict]:
+    """(metadata key -> value, tensor name -> the reader's tensor: ``.data``, ``.tensor_type``) of a GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in reader.fields.items()}, {t.name: t for t in reader.tensors}
+
+
+def gguf_of(model, tokenizer, path: Path, dtype: str = "f32", stop_ids=()) -> Path:
+    """``model`` and ``tokenizer`` as one GGUF file, through the Hugging Face folder ``path.hf`` and llama.cpp's
+    converter (what ``leansft export --to gguf`` does after reading a run)."""
+    from leansft.core.gguf.write import convert
+
+    folder = path.with_suffix(".hf")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return convert(folder, path, dtype, stop_ids)

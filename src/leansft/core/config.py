@@ -30,7 +30,7 @@ Method = Literal["full", "lora", "qlora"]
 LoraInit = Literal["default", "gaussian", "pissa", "olora"]
 Attention = Literal["auto", "flash", "torch_varlen", "sdpa_varlen", "flex"]
 Verify = Literal["fallback", "refuse", "skip"]
-GGUFDType = Literal["f16", "bf16", "f32"]  # `leansft export --to gguf --dtype`; norms stay f32
+GGUFDType = Literal["f16", "bf16", "q8_0", "f32"]  # `leansft export --to gguf --dtype`; norms stay f32
 
 
 class _Strict(BaseModel):

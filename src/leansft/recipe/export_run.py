@@ -2,13 +2,15 @@
 
 A run folder means its newest intact checkpoint; a checkpoint is rebuilt from its own config.yaml (base
 model, LoRA settings) and its weights, LoRA merged; anything else ``train`` takes as ``model`` (a model
-folder such as OUTPUT_DIR/final, a .gguf file, a ``pkg:`` path, a Hub id) is read as it is.
+folder such as OUTPUT_DIR/final, a .gguf file, a ``pkg:`` path, a Hub id) is read as it is. A GGUF file is the
+Hugging Face folder ``--to hf`` writes, converted by llama.cpp's converter (``core/gguf/write.py``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 import torch
@@ -17,7 +19,7 @@ from leansft.core.config import load_config
 from leansft.core.data.masking import ChatTemplate, resolve_template
 from leansft.core.data.tokenizer import load_tokenizer
 from leansft.core.errors import LeanSFTError
-from leansft.core.gguf.write import export_gguf
+from leansft.core.gguf.write import convert
 from leansft.core.inference.generation import stop_token_ids
 from leansft.core.io import checkpoint_files as ckpt
 from leansft.core.io.hf_export import export
@@ -25,6 +27,7 @@ from leansft.core.model.forward import LossModule
 from leansft.core.model.loading import load_model, merged_plain_model, resolve_model_path
 from leansft.core.model.qlora import dequantised_base
 from leansft.core.paths import default_cache_dir
+from leansft.core.progress import phase
 from leansft.recipe.builders import build_model, model_location
 
 log = logging.getLogger("leansft")
@@ -78,11 +81,14 @@ def export_source(source: str, to: str, out: str, dtype: str = "f16") -> Path:
     checkpoint = checkpoint_of(source)  # once: finding a run's newest intact checkpoint reads every file
     model, tokenizer, template, cfg = load_source(source, checkpoint)
     target = Path(out)
-    if to == "gguf":
-        return export_gguf(model, tokenizer, template.source if template else None, target, dtype,
-                           stop_token_ids(tokenizer, template))
-    folder = export(model, tokenizer, template or ChatTemplate("tokenizer", tokenizer.chat_template or ""), target,
-                    cfg)
+    chat = template or ChatTemplate("tokenizer", tokenizer.chat_template or "")
+    if to == "gguf":  # the folder --to hf writes, then llama.cpp's converter
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".gguf-") as tmp:
+            folder = export(model, tokenizer, chat, Path(tmp) / "hf", cfg)
+            with phase(f"converting to GGUF ({dtype}) with llama.cpp's converter: {target}"):
+                return convert(folder, target, dtype, stop_token_ids(tokenizer, template))
+    folder = export(model, tokenizer, chat, target, cfg)
     card = model_card_for(source, checkpoint, cfg, folder)
     if card is not None:
         log.info("model card: %s", card)

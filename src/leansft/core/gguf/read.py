@@ -11,13 +11,13 @@ byte-level tokenizer with GPT-2's split wherever it does not know the file's ``t
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 from tokenizers import pre_tokenizers
 
 from leansft.core.errors import ModelError
-from leansft.core.gguf.write import llama3_rope_factors
 
 # llama.cpp pre-tokenizer names transformers' GGUF reader does not map (it splits as GPT-2 then), as the
 # models' own tokenizers split: SmolLM's digits one by one, then GPT-2's regex
@@ -29,6 +29,23 @@ PRE_TOKENIZERS = {
 LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # llama.cpp's YaRN keys -> transformers' rope parameters
 YARN_KEYS = {"yarn_attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+
+
+def llama3_rope_factors(base: float, head_dim: int, factor: float, low: float, high: float, old: int) -> np.ndarray:
+    """Llama 3's rotary scaling as llama.cpp stores it: the divisor of each default frequency (its converter's
+    ``rope_freqs``)."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 def _rope_parameters(fields: dict, names: set[str], arch: str, base: float, head_dim: int, file: str) -> dict | None:

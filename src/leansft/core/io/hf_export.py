@@ -49,6 +49,9 @@ def export(model, tokenizer, template, folder: Path, cfg) -> Path:
         model.config._attn_implementation = impl
     tokenizer.chat_template = template.source
     tokenizer.save_pretrained(tmp)
+    sentencepiece = Path(getattr(tokenizer, "vocab_file", None) or "")
+    if sentencepiece.suffix == ".model" and sentencepiece.is_file() and not (tmp / sentencepiece.name).exists():
+        shutil.copy(sentencepiece, tmp / sentencepiece.name)  # transformers 5 no longer writes it; converters read it
     gen = getattr(model, "generation_config", None)  # adapters alone too: the base's own may not stop at turn end
     if gen is not None:
         gen.eos_token_id = stop_token_ids(tokenizer, template)

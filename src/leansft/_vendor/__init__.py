@@ -1,0 +1,1 @@
+"""Third-party code kept inside leansft (see each folder's README.md)."""
