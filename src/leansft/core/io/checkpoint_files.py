@@ -195,7 +195,7 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
                       "rng": rng_meta, "sharded": sharded, "world_size": distributed.world_size()}
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        _write_manifest(tmp, owned, "node_local" if several else "shared")
+        return _write_manifest(tmp, owned, "node_local" if several else "shared")
 
     def rename():
         if writer:
@@ -210,7 +210,12 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
         if sharded:
             parts = _agreed(shards, step, folder, tmp, writer, root)
             owned, plans = {k: v for entries, _ in parts for k, v in entries.items()}, parts[0][1]
-        _agreed(write, step, folder, tmp, writer, root)
+        copies = [files for files in _agreed(write, step, folder, tmp, writer, root) if files]
+        differ = sorted(name for name, entry in copies[0].items() if name != "dcp/.metadata"
+                        and any(other.get(name) != entry for other in copies[1:]))
+        if differ:  # every node's copy is rank 0's state: DDP replicas that differ have diverged
+            raise LeanSFTError(f"cannot write checkpoint step-{step}: the nodes' copies differ ({', '.join(differ)}): "
+                               "the ranks' replicas of the model diverged", file=str(folder))
         _agreed(rename, step, folder, tmp, writer, root)
     except BaseException:
         if writer:
@@ -286,10 +291,10 @@ def _file_entry(f: Path) -> dict:
     return {"bytes": f.stat().st_size, "sha256": _sha256(f)}
 
 
-def _write_manifest(folder: Path, owned: dict[str, dict] | None = None, storage: str = "shared") -> None:
-    """List every file of the checkpoint with its size and sha256 in manifest.json, written last: the files in
-    ``folder`` and ``owned``, the files each rank wrote itself (FSDP shards, entered by their rank, which hashed
-    them; on node-local disks they are on that rank's node only)."""
+def _write_manifest(folder: Path, owned: dict[str, dict] | None = None, storage: str = "shared") -> dict[str, dict]:
+    """List every file of the checkpoint with its size and sha256 in manifest.json, written last, and return the
+    list: the files in ``folder`` and ``owned``, the files each rank wrote itself (FSDP shards, entered by their
+    rank, which hashed them; on node-local disks they are on that rank's node only)."""
     owned = owned or {}
     files = sorted(f for f in folder.rglob("*") if f.is_file() and f.name != MANIFEST
                    and str(f.relative_to(folder)) not in owned)
@@ -300,6 +305,7 @@ def _write_manifest(folder: Path, owned: dict[str, dict] | None = None, storage:
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_dir(folder)
+    return {**entries, **owned}
 
 
 def damage(path: Path, ranks: set[int] | None = None) -> str | None:
