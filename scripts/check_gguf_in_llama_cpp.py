@@ -58,13 +58,16 @@ def main() -> None:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
         "mistral": (tf.MistralConfig, bpe, {"sliding_window": None}),
         "qwen2": (tf.Qwen2Config, qwen, {"tie_word_embeddings": True}),
-        "gemma3": (tf.Gemma3TextConfig, bpe, {"head_dim": 16, "sliding_window": 32, "bos_token_id": None,
-                                              "eos_token_id": None, "pad_token_id": None}),
+        "gemma3": (tf.Gemma3TextConfig, bpe, {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 32,
+                                              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}),
         "phi3": (tf.Phi3Config, sp, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}),
     }
     print("| model | tokens | ids as HF | max logit diff / max logit |\n| --- | --- | --- | --- |")
     for name, (config, tokenizer_path, extra) in cases.items():
         tok = tf.AutoTokenizer.from_pretrained(tokenizer_path)
+        if name == "phi3":  # Phi-3's own added tokens (llama.cpp looks <|endoftext|> up in a model named phi3)
+            tok.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|user|>", "<|assistant|>",
+                                                                  "<|end|>"]})
         torch.manual_seed(0)
         model = tf.AutoModelForCausalLM.from_config(config(vocab_size=len(tok), **TINY, **extra)).eval()
         with torch.no_grad():

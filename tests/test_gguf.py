@@ -16,8 +16,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             max_position_embeddings=256)
 CONFIGS = {"llama": lambda n: tf.LlamaConfig(vocab_size=n, **TINY),
            "mistral": lambda n: tf.MistralConfig(vocab_size=n, sliding_window=None, **TINY),
-           "gemma3": lambda n: tf.Gemma3TextConfig(vocab_size=n, head_dim=16, sliding_window=8, bos_token_id=None,
-                                                   eos_token_id=None, pad_token_id=None, **TINY),
+           "gemma3": lambda n: tf.Gemma3TextConfig(vocab_size=n, head_dim=256, query_pre_attn_scalar=256, sliding_window=8,
+                                                   bos_token_id=None, eos_token_id=None, pad_token_id=None, **TINY),
            "phi3": lambda n: tf.Phi3Config(vocab_size=n, bos_token_id=1, eos_token_id=2, pad_token_id=0, **TINY),
            "qwen2": lambda n: tf.Qwen2Config(vocab_size=n, tie_word_embeddings=True, **TINY)}
 # largest logit difference allowed, as a share of the largest logit: what each tensor type rounds away
@@ -191,3 +191,14 @@ def test_a_gguf_tokenizer_splits_text_as_the_pre_tokenizer_the_file_names(tmp_pa
     path = gguf_of(model, tok, tmp_path / "m.gguf", "f32")
     with pytest.raises(ModelError, match="without its pre-tokenizer 'deepseek-llm'"):
         load_tokenizer(str(path))
+
+
+def test_a_gemma3_whose_query_scale_llama_cpp_does_not_use_is_refused(tmp_path, tiny_bpe_path):
+    """llama.cpp scales Gemma 3's queries by the head size (checked in llama.cpp: a tiny Gemma 3 with
+    query_pre_attn_scalar 256 and head size 16 gave logits 36% of their scale off; with 16, 1.6e-4), while
+    transformers' GGUF reader takes its default scalar, 256: real Gemma 3 models (head size 256) agree with both."""
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    cfg = CONFIGS["gemma3"](len(tok))
+    cfg.head_dim = 16
+    with pytest.raises(LeanSFTError, match=r"by 1/sqrt\(16\), the model by 1/sqrt\(query_pre_attn_scalar=256\)"):
+        gguf_of(tf.AutoModelForCausalLM.from_config(cfg), tok, tmp_path / "m.gguf")

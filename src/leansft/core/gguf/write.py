@@ -13,6 +13,8 @@ names and layouts, rotary scaling, sliding windows, the pre-tokenizer's name). A
 - a sliding window the file does not state (llama.cpp's ``llama``/``qwen2`` graphs attend to every earlier token:
   a Mistral v0.1 with a 16-token window gave the HF logits up to token 16 and 16% off after it) becomes the context
   length the file states, with a warning: up to it, the file is the model;
+- a Gemma 3 whose ``query_pre_attn_scalar`` is not what llama.cpp scales queries by (the head size; hidden/heads at
+  62 layers, the 27B) is refused: llama.cpp reads no such key and would compute other logits;
 - one line, not a traceback, where the converter does not cover the model.
 """
 
@@ -111,6 +113,8 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
         raise LeanSFTError(f"unknown GGUF dtype '{dtype}'; use one of {', '.join(DTYPES)}")
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+    config = json.loads((folder / "config.json").read_text())
+    _check_query_scale(config)
     tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -119,7 +123,7 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
             model.prepare_tensors()
             model.prepare_metadata(vocab_only=False)
             _add_generation_stops(model.gguf_writer, stop_ids)
-            _state_sliding_window(model.gguf_writer, json.loads((folder / "config.json").read_text()))
+            _state_sliding_window(model.gguf_writer, config)
             model.gguf_writer.write_header_to_file(path=tmp)
             model.gguf_writer.write_kv_data_to_file()
             model.gguf_writer.write_tensors_to_file(progress=False)
@@ -168,3 +172,18 @@ def _state_sliding_window(writer, config: dict) -> None:
                 "%d tokens; its context length says %d (not %d)", config.get("model_type"), window, window, window,
                 context.value)
     kv[f"{arch}.context_length"] = dataclasses.replace(context, value=int(window))
+
+
+def _check_query_scale(config: dict) -> None:
+    """llama.cpp scales Gemma 3's queries by 1/sqrt(head size), or 1/sqrt(hidden/heads) for 62 layers (the 27B): it
+    reads no ``query_pre_attn_scalar``, so a model whose scalar is another number is refused."""
+    text = config.get("text_config", config)
+    if config.get("model_type") not in ("gemma3", "gemma3_text"):
+        return
+    layers, hidden, heads = text.get("num_hidden_layers"), text.get("hidden_size"), text.get("num_attention_heads")
+    used = hidden // heads if layers == 62 else text.get("head_dim", 256)
+    scalar = text.get("query_pre_attn_scalar", 256)
+    if scalar != used:
+        raise LeanSFTError(f"GGUF export: llama.cpp scales this Gemma 3's queries by 1/sqrt({used}), the model by "
+                           f"1/sqrt(query_pre_attn_scalar={scalar}): llama.cpp would compute other logits",
+                           hint="export a Hugging Face folder (--to hf) instead")
