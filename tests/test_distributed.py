@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -457,3 +458,32 @@ def test_a_peer_failure_is_named_and_anything_else_is_left_alone():
     assert "another rank ended" in peer_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), 600)
     assert peer_failure(RuntimeError("shape mismatch"), 600) is None
     assert peer_failure(ValueError("Timed out"), 600) is None  # not a collective's error
+
+
+def _storage_on_rank(rank: int, init: str, base: str, out: str) -> None:
+    """One of three ranks: ranks 0 and 1 share a folder, rank 2 has its own; then all share one."""
+    import torch.distributed as tdist
+
+    from leansft.core import distributed
+
+    tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=3, timeout=timedelta(seconds=60))
+    try:
+        split = distributed.storage_of(Path(base) / ("a" if rank < 2 else "b"))
+        one = distributed.storage_of(Path(base) / "shared")
+        if rank == 2:
+            Path(out).write_text(json.dumps({"split": split.groups, "writer": split.writer(), "one": one.groups,
+                                             "left": sorted(p.name for p in Path(base).rglob("*"))}))
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_ranks_that_share_a_folder_are_found_by_the_token_files_they_read_back(tmp_path):
+    """The storage check behind checkpoint.storage and the data cache: the ranks that read each other's token files
+    form a group, whose lowest rank writes for it; the token files are gone afterwards."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank2.json"
+    mp.spawn(_storage_on_rank, args=(f"file://{tmp_path / 'store'}", str(tmp_path / "disks"), str(out)), nprocs=3)
+    seen = json.loads(out.read_text())
+    assert seen["split"] == [[0, 1], [2]] and seen["writer"] is True and seen["one"] == [[0, 1, 2]]
+    assert seen["left"] == ["a", "b", "shared"]  # the folders, not the probes

@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as tdist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from leansft.core.errors import LeanSFTError
 
 
 def is_distributed() -> bool:
@@ -140,8 +143,9 @@ def _ranks(group: tuple[int, ...]) -> str:
 
 def storage_of(folder: Path) -> Storage:
     """Which ranks see the same ``folder`` (created if missing): each rank leaves a token file there and reads
-    back which of the others' it finds. Ranks that see each other form a group; anything but clean groups
-    (rank a sees b but not b a, say) is an error naming what each rank saw. A single process: one group."""
+    back which of the others' it finds, each looked up by its name (NFS revalidates a lookup of a name it has not
+    cached; a directory listing it may serve from its cache), again after 0.2, 0.5 and 1 s while a rank misses some. Ranks that see each other form a group; anything but clean
+    groups (rank a sees b but not b a, say) is an error naming what each rank saw. A single process: one group."""
     if not is_distributed():
         return Storage(names=(whoami(),))
     nonce = broadcast_object(uuid.uuid4().hex)
@@ -156,17 +160,30 @@ def storage_of(folder: Path) -> Storage:
     errors = all_gather_object((whoami(), error))  # also: every token is written before any is read
     if any(e for _, e in errors):
         who, e = next((w, e) for w, e in errors if e)
-        raise RuntimeError(f"{who} cannot write to {folder}: {e}")
-    seen = sorted(int(f.name[5:]) for f in probe.glob("rank-*") if f.name[5:].isdigit() and f.read_text() == nonce)
-    views = all_gather_object((whoami(), tuple(seen)))
+        raise LeanSFTError(f"{who} cannot write to {folder}: {e}", file=str(folder))
+    for wait in (0.2, 0.5, 1.0, None):  # belt and braces: a shared file system's cached lookups catching up
+        seen = tuple(r for r in range(world_size()) if _token(probe / f"rank-{r}") == nonce)
+        views = all_gather_object((whoami(), seen))
+        if wait is None or all(len(v) == world_size() for _, v in views):
+            break
+        time.sleep(wait)
     mine.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         probe.rmdir()  # the last rank of a group to get here removes it
     groups = sorted({v for _, v in views})
     if any(r not in views[r][1] for r in range(len(views))) or sum(map(len, groups)) != len(views):
-        raise RuntimeError(f"the ranks see {folder} inconsistently: "
-                           + "; ".join(f"{who} sees the files of {_ranks(v) if v else 'no rank'}" for who, v in views))
+        raise LeanSFTError(f"the ranks see {folder} inconsistently: "
+                           + "; ".join(f"{who} sees the files of {_ranks(v) if v else 'no rank'}" for who, v in views),
+                           hint="give the ranks of a node one folder, and every node the same path to it")
     return Storage(tuple(groups), tuple(who for who, _ in views))
+
+
+def _token(path: Path) -> str | None:
+    """The token file's text, opened by its name (a lookup, not a directory listing a file system may cache)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager

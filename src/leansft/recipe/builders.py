@@ -78,11 +78,12 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def model_location(cfg: RunConfig) -> str:
+def model_location(cfg: RunConfig, cache_storage: distributed.Storage | None = None) -> str:
     """The model folder to load (``pkg:`` and .gguf resolved; a GGUF is converted once per cache folder: by rank 0
-    where the ranks share it, by each node where each has its own)."""
+    where the ranks share it, by each node where each has its own). ``cache_storage``: how the ranks share the cache
+    folder, where the caller found out already (``distributed.storage_of``)."""
     cache = cache_dir(cfg.data.cache_dir)
-    with distributed.writers_first(distributed.storage_of(cache)):
+    with distributed.writers_first(cache_storage or distributed.storage_of(cache)):
         return resolve_model_path(cfg.model, cache)
 
 

@@ -104,10 +104,7 @@ def checkpoint_storage(cfg: RunConfig, out: Path) -> distributed.Storage:
     """How the ranks share ``output_dir`` (``distributed.storage_of``: every rank reads back a token file), held
     against ``checkpoint.storage``: ``shared`` refuses anything but one folder for every rank, naming a rank that
     cannot see rank 0's; ``node_local`` and ``auto`` take what is there. Said once, by rank 0."""
-    try:
-        storage = distributed.storage_of(out)
-    except RuntimeError as err:
-        raise LeanSFTError(str(err), file=str(out)) from None
+    storage = distributed.storage_of(out)
     want, world = cfg.checkpoint.storage, distributed.world_size()
     if want == "shared" and not storage.shared:
         blind = next(r for r in range(world) if r not in storage.group(0))

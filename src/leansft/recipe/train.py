@@ -36,6 +36,7 @@ from leansft.core.model.loss import normalise
 from leansft.core.model.neftune import NEFTune
 from leansft.core.model.qlora import dequantised_base
 from leansft.core.model.verify import check_position_table
+from leansft.core.paths import cache_dir
 from leansft.core.progress import phase, plural
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
@@ -140,10 +141,11 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         distributed.barrier()
         return {"step": done, "stopped": False, "nothing_left": True}
     seed_everything(cfg.training.seed)
-    model_path = model_location(cfg)
+    cache = distributed.storage_of(cache_dir(cfg.data.cache_dir))  # tokenised data and converted models
+    model_path = model_location(cfg, cache)
     data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,
                         truncate=cfg.batching.strategy not in SPLITTING_STRATEGIES,
-                        trust_remote_code=cfg.trust_remote_code)
+                        trust_remote_code=cfg.trust_remote_code, cache_storage=cache)
     log_data(data, cfg.data.max_length)
     seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
     model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, model_path)

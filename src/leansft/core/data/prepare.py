@@ -75,8 +75,11 @@ def split_eval(data: TokenizedDataset, fraction: float, seed: int) -> tuple[Toke
 
 
 def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncate: bool = True,
-                 holdout: bool = True, trust_remote_code: bool = False) -> PreparedData:
-    """Tokenise ``cfg.sources`` with the tokenizer's (or the configured) template.
+                 holdout: bool = True, trust_remote_code: bool = False,
+                 cache_storage: distributed.Storage | None = None) -> PreparedData:
+    """Tokenise ``cfg.sources`` with the tokenizer's (or the configured) template, once per cache folder: by its
+    first rank, the others then reading its cache (``cache_storage``: how the ranks share the cache folder, where the
+    caller found out already).
 
     ``truncate``: cut examples at ``cfg.max_length`` (False for plans and for strategies that split
     long examples themselves). ``holdout``: set aside ``cfg.eval_file`` or an ``eval_split`` fraction.
@@ -84,7 +87,7 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
     tokenizer = load_tokenizer(tokenizer_spec, trust_remote_code)
     template = resolve_template(tokenizer, cfg.template)
     eval_data = None
-    cache = distributed.storage_of(cache_dir(cfg.cache_dir))
+    cache = cache_storage or distributed.storage_of(cache_dir(cfg.cache_dir))
     if distributed.world_size() > 1 and distributed.rank() == 0:
         log.info("preparing the data %s", f"once for all {distributed.world_size()} ranks (the cache folder "
                  f"{cache_dir(cfg.cache_dir)} is shared)" if cache.shared else f"once per node (the cache folder "
