@@ -199,7 +199,8 @@ def test_an_fsdp_export_holds_the_model_once_on_rank_0(tmp_path):
 @pytest.mark.slow
 def test_a_stopped_peer_ends_the_run_naming_the_timeout(tmp_path, tiny_run_assets):
     """A rank that stops answering (SIGSTOP: a frozen machine or a partition) ends the others within
-    distributed.timeout_s and a grace, with one line naming the timeout, not gloo's 30 minutes of silence.
+    distributed.timeout_s and a grace, with one line naming the timeout and the rank whose heartbeat stood still,
+    not gloo's 30 minutes of silence.
     Timed to the end of the rank that waited: torchrun's own teardown of the stopped one (SIGTERM, 30 s, SIGKILL)
     is torchrun's, and on a loaded machine it outlasted any fair limit."""
     import signal
@@ -242,6 +243,7 @@ def test_a_stopped_peer_ends_the_run_naming_the_timeout(tmp_path, tiny_run_asset
     text = " ".join("".join(out).split())
     assert took < 90, (took, text[-3000:])
     assert "distributed.timeout_s=20" in text and "(rank 0/2 on " in text, text[-3000:]
+    assert "answering: rank 1 on " in text and "has no heartbeat" in text, text[-3000:]  # the frozen rank, named
 
 
 def _alive(pid: int) -> bool:

@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,23 +30,75 @@ def is_distributed() -> bool:
 def init(timeout_s: float = 600) -> None:
     """Join the process group torchrun describes (nccl on CUDA, gloo on the CPU). Every collective then waits at
     most ``timeout_s`` for the other ranks (torch's defaults: 30 minutes for gloo, 10 for NCCL), and ends in an
-    error that ``peer_failure`` turns into one line."""
+    error that ``peer_failure`` turns into one line; a ``Heartbeat`` lets that line name the rank that stopped."""
     if is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    Heartbeat().start()
+
+
+class Heartbeat(threading.Thread):
+    """A daemon thread that counts up this rank's beat in the process group's store (torchrun's) every
+    ``EVERY_S``, with its host. A frozen process or a lost machine stops counting; ``stalled`` names who did."""
+
+    EVERY_S = 1.0
+    KEY = "leansft/heartbeat/{}"
+
+    def __init__(self) -> None:
+        super().__init__(name="leansft-heartbeat", daemon=True)
+        self.store, self.key, self.host = _store(), self.KEY.format(rank()), socket.gethostname()
+
+    def run(self) -> None:
+        beat = 0
+        while True:
+            try:
+                self.store.set(self.key, f"{beat} {self.host}")
+            except Exception:  # noqa: BLE001 - the store is gone with the run: nothing left to tell
+                return
+            beat += 1
+            time.sleep(self.EVERY_S)
+
+
+def _store():
+    return tdist.distributed_c10d._get_default_store()  # the process group's own (torchrun's rendezvous store)
+
+
+def stalled(wait_s: float = 3 * Heartbeat.EVERY_S) -> list[str]:
+    """The ranks whose heartbeat stood still for ``wait_s`` (``rank R on HOST``); [] where all beat on or the store
+    does not answer (a lost machine that held it)."""
+    if not is_distributed():
+        return []
+    try:
+        store = _store()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        keys = [Heartbeat.KEY.format(r) for r in range(world_size())]
+
+        def beats() -> list[tuple[str, str]]:
+            return [tuple(store.get(k).decode().split(" ", 1)) if store.check([k]) else ("", "?") for k in keys]
+
+        before = beats()
+        time.sleep(wait_s)
+        after = beats()
+    except Exception:  # noqa: BLE001 - a store that does not answer tells nothing
+        return []
+    return [f"rank {r} on {host}" for r, ((b, host), (a, _)) in enumerate(zip(before, after, strict=True)) if a == b]
 
 
 def peer_failure(err: BaseException, timeout_s: float) -> str | None:
-    """One line for a collective that failed because another rank stopped answering or ended, else None."""
+    """One line for a collective that failed because another rank stopped answering or ended, else None. A timeout
+    names the ranks whose heartbeat stands still, where the store tells."""
     text = f"{type(err).__name__}: {err}"
     if not isinstance(err, (RuntimeError, tdist.DistError)):
         return None
     if "imed out" in text or "Timeout" in text or "timeout" in text:
-        return (f"a collective waited distributed.timeout_s={timeout_s:g} s without every rank answering (a peer "
-                "stopped, hung or lost the network); the checkpoints already written stay as they are")
+        silent = stalled()
+        who = (f": {', '.join(silent)} has no heartbeat (stopped, hung or lost the network)" if silent
+               else " (a peer stopped, hung or lost the network)")
+        return (f"a collective waited distributed.timeout_s={timeout_s:g} s without every rank answering{who}; the "
+                "checkpoints already written stay as they are")
     if "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
         return ("another rank ended (connection closed): its own message says why; the checkpoints already "
                 "written stay as they are")
