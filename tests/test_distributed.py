@@ -165,7 +165,7 @@ def _gather_on_rank(rank: int, init: str, out: str) -> None:
     from leansft.core.model.forward import LossModule
 
     torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
         trained = tiny_model("qwen2", seed=1, intermediate_size=1024)  # no tensor above 1/7 of the model
         expected = {k: v.clone() for k, v in trained.state_dict().items()}
