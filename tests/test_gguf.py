@@ -193,12 +193,41 @@ def test_a_gguf_tokenizer_splits_text_as_the_pre_tokenizer_the_file_names(tmp_pa
         load_tokenizer(str(path))
 
 
-def test_a_gemma3_whose_query_scale_llama_cpp_does_not_use_is_refused(tmp_path, tiny_bpe_path):
+def test_a_gemma3_llama_cpp_would_compute_otherwise_is_refused(tmp_path, tiny_bpe_path):
     """llama.cpp scales Gemma 3's queries by the head size (checked in llama.cpp: a tiny Gemma 3 with
-    query_pre_attn_scalar 256 and head size 16 gave logits 36% of their scale off; with 16, 1.6e-4), while
-    transformers' GGUF reader takes its default scalar, 256: real Gemma 3 models (head size 256) agree with both."""
+    query_pre_attn_scalar 256 and head size 16 gave logits 36% of their scale off; with 16, 1.6e-4) and gives every
+    sixth layer full attention; it reads neither from the file."""
     tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
     cfg = CONFIGS["gemma3"](len(tok))
     cfg.head_dim = 16
     with pytest.raises(LeanSFTError, match=r"by 1/sqrt\(16\), the model by 1/sqrt\(query_pre_attn_scalar=256\)"):
         gguf_of(tf.AutoModelForCausalLM.from_config(cfg), tok, tmp_path / "m.gguf")
+    cfg = CONFIGS["gemma3"](len(tok))
+    cfg.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(LeanSFTError, match="full attention in every sixth layer"):
+        gguf_of(tf.AutoModelForCausalLM.from_config(cfg), tok, tmp_path / "n.gguf")
+
+
+def test_a_gemma3_gguf_trains_as_the_model_in_the_file(tmp_path, tiny_bpe_path):
+    """transformers reads a Gemma 3 GGUF with its default query scale (256) and without the rotary scaling of its
+    full-attention layers; leansft puts back llama.cpp's (the head size; the file's linear factor on those layers),
+    so the model trained is the file's: a head size of 16 was 50% of the logits' scale off, linear scaling 48%."""
+    from leansft.core.model.loading import load_model
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    cfg = tf.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 6}, vocab_size=len(tok), head_dim=16,
+                              query_pre_attn_scalar=16, sliding_window=8, rope_parameters=rope, bos_token_id=None,
+                              eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8)
+    back = load_model(str(gguf_of(model, tok, tmp_path / "m.gguf", "f32")), cache_dir=tmp_path / "cache").eval()
+    x = torch.randint(3, len(tok), (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(x).logits
+        assert float((back(x).logits - ref).abs().max()) <= 1e-5 * float(ref.abs().max())

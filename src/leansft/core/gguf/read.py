@@ -6,7 +6,9 @@ the rotary scaling llama.cpp's converter writes: Llama 3.1-3.3's per-frequency `
 as the q/k/v biases of a ``llama`` model. Either way the converted model computes other logits than the
 model in the file (a Llama 3.2 GGUF: 17% of the logits' scale at 300 tokens), silently. And it builds a
 byte-level tokenizer with GPT-2's split wherever it does not know the file's ``tokenizer.ggml.pre`` name
-(SmolLM2's digit splitting among them): other token ids than the model's own tokenizer gives.
+(SmolLM2's digit splitting among them): other token ids than the model's own tokenizer gives. A Gemma 3 file
+is read with transformers' default query scale (256, where llama.cpp uses the head size) and without the rotary
+scaling of its full-attention layers.
 """
 
 from __future__ import annotations
@@ -112,8 +114,9 @@ def faithful_gguf_tokenizer(path: Path, tokenizer):
 
 def complete_from_gguf(path: Path, model, tokenizer) -> None:
     """Set on ``model.config`` (as transformers read it from the GGUF at ``path``) the rotary scaling it
-    missed, before the model is rebuilt from that config, and on ``tokenizer`` the pre-tokenizer the file
-    names; refuse a file with tensors the model dropped."""
+    missed (Gemma 3: on its full-attention layers, as llama.cpp applies it) and Gemma 3's query scale, before the
+    model is rebuilt from that config, and on ``tokenizer`` the pre-tokenizer the file names; refuse a file with
+    tensors the model dropped."""
     fields, names = _read(path)
     _split_as_named(tokenizer, fields, str(path))
     biases = sorted(n for n in names if n.endswith(".bias"))
@@ -122,12 +125,16 @@ def complete_from_gguf(path: Path, model, tokenizer) -> None:
         raise ModelError(f"transformers reads {len(taken)} of the GGUF's {len(biases)} bias tensors (e.g. "
                          f"{biases[0]}): the converted model would lack them", file=str(path),
                          hint="train from the model's Hugging Face folder instead")
-    cfg = model.config
-    params = dict(getattr(cfg, "rope_parameters", None) or {})
-    if (params.get("rope_type") or "default") != "default":  # transformers read the scaling itself (gpt-oss)
-        return
+    cfg, arch = model.config, fields.get("general.architecture")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    found = _rope_parameters(fields, names, fields.get("general.architecture"),
-                             float(params.get("rope_theta", 10000.0)), head_dim, str(path))
+    if arch == "gemma3":  # llama.cpp's query scale (its gemma3 graph reads no key for it); transformers assumes 256
+        cfg.query_pre_attn_scalar = cfg.hidden_size // cfg.num_attention_heads if cfg.num_hidden_layers == 62 \
+            else head_dim
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    per_type = bool(params) and set(params) <= {"full_attention", "sliding_attention"}
+    own = params.get("full_attention", {}) if per_type else params  # Gemma 3: llama.cpp scales the global layers only
+    if (own.get("rope_type") or "default") != "default":  # transformers read the scaling itself (gpt-oss)
+        return
+    found = _rope_parameters(fields, names, arch, float(own.get("rope_theta", 10000.0)), head_dim, str(path))
     if found is not None:
-        cfg.rope_parameters = {**params, **found}
+        cfg.rope_parameters = {**params, "full_attention": {**own, **found}} if per_type else {**params, **found}

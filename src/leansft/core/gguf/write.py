@@ -13,8 +13,9 @@ names and layouts, rotary scaling, sliding windows, the pre-tokenizer's name). A
 - a sliding window the file does not state (llama.cpp's ``llama``/``qwen2`` graphs attend to every earlier token:
   a Mistral v0.1 with a 16-token window gave the HF logits up to token 16 and 16% off after it) becomes the context
   length the file states, with a warning: up to it, the file is the model;
-- a Gemma 3 whose ``query_pre_attn_scalar`` is not what llama.cpp scales queries by (the head size; hidden/heads at
-  62 layers, the 27B) is refused: llama.cpp reads no such key and would compute other logits;
+- a Gemma 3 that llama.cpp's gemma3 graph would compute otherwise is refused: a ``query_pre_attn_scalar`` other
+  than the head size (hidden/heads at 62 layers, the 27B), or ``layer_types`` other than five sliding-window
+  layers, then one of full attention (llama.cpp reads neither from the file);
 - one line, not a traceback, where the converter does not cover the model.
 """
 
@@ -114,7 +115,7 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     config = json.loads((folder / "config.json").read_text())
-    _check_query_scale(config)
+    _check_gemma3(config)
     tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -174,9 +175,9 @@ def _state_sliding_window(writer, config: dict) -> None:
     kv[f"{arch}.context_length"] = dataclasses.replace(context, value=int(window))
 
 
-def _check_query_scale(config: dict) -> None:
-    """llama.cpp scales Gemma 3's queries by 1/sqrt(head size), or 1/sqrt(hidden/heads) for 62 layers (the 27B): it
-    reads no ``query_pre_attn_scalar``, so a model whose scalar is another number is refused."""
+def _check_gemma3(config: dict) -> None:
+    """What llama.cpp's gemma3 graph assumes and reads from no key: queries scaled by 1/sqrt(head size), or
+    1/sqrt(hidden/heads) for 62 layers (the 27B); every sixth layer of full attention, the others sliding."""
     text = config.get("text_config", config)
     if config.get("model_type") not in ("gemma3", "gemma3_text"):
         return
@@ -187,3 +188,8 @@ def _check_query_scale(config: dict) -> None:
         raise LeanSFTError(f"GGUF export: llama.cpp scales this Gemma 3's queries by 1/sqrt({used}), the model by "
                            f"1/sqrt(query_pre_attn_scalar={scalar}): llama.cpp would compute other logits",
                            hint="export a Hugging Face folder (--to hf) instead")
+    pattern = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
+    if text.get("sliding_window") and text.get("layer_types", pattern) != pattern:
+        raise LeanSFTError("GGUF export: llama.cpp gives Gemma 3 full attention in every sixth layer and a sliding "
+                           f"window in the others, this model {text['layer_types']}: llama.cpp would compute other "
+                           "logits", hint="export a Hugging Face folder (--to hf) instead")
