@@ -472,6 +472,7 @@ def _storage_on_rank(rank: int, init: str, base: str, out: str) -> None:
     try:
         split = distributed.storage_of(Path(base) / ("a" if rank < 2 else "b"))
         one = distributed.storage_of(Path(base) / "shared")
+        tdist.barrier()  # every rank has removed its token before rank 2 looks
         if rank == 2:
             Path(out).write_text(json.dumps({"split": split.groups, "writer": split.writer(), "one": one.groups,
                                              "left": sorted(p.name for p in Path(base).rglob("*"))}))
