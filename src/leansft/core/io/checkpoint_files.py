@@ -7,7 +7,7 @@ file is pickled by torch, so resume an FSDP checkpoint only from a folder you tr
 Layout of OUTPUT_DIR/checkpoints/step-N/:
   model.safetensors        trainable weights by name (LoRA: the adapters alone)
   optimizer.safetensors    optimizer state tensors, keyed "<parameter name>/<state name>"
-  rng.safetensors          torch CPU (and CUDA) generator states
+  rng.safetensors          torch CPU (and CUDA) generator states: rank 0's, and each rank's as "rankR.<name>"
   state.json               step, data position, counters, world size, accumulation, scheduler, optimizer
                            param groups, numpy/python RNG, evaluator state (best, patience, history)
   config.yaml              the resolved run config
@@ -132,7 +132,19 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
                      "python": [py[0], list(py[1]), py[2]]}
 
 
-def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def _torch_rng_by_rank(rank0: dict[str, torch.Tensor], gathered: list[dict[str, torch.Tensor]]) -> dict:
+    """rng.safetensors' tensors: rank 0's torch generator states by their own names (what a resume on another world
+    size, or an older leansft, restores on every rank), and every rank's as ``rank{R}.{name}``: dropout and NEFTune
+    draw from each rank's own stream, which a resume on as many ranks continues."""
+    return {**rank0, **{f"rank{r}.{k}": v for r, own in enumerate(gathered) for k, v in own.items()}}
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict, same_ranks: bool = False) -> None:
+    """Restore the generators: this rank's own torch states where the checkpoint has them and ``same_ranks`` (saved
+    on as many ranks), else rank 0's; numpy and python from rank 0 (nothing in training draws from them)."""
+    own = f"rank{distributed.rank()}."
+    if same_ranks and f"{own}torch_cpu" in tensors:
+        tensors = {k.removeprefix(own): v for k, v in tensors.items() if k.startswith(own)}
     torch.set_rng_state(tensors["torch_cpu"])
     for k, v in tensors.items():
         if k.startswith("torch_cuda_") and torch.cuda.is_available():
@@ -166,8 +178,10 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
             folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "dcp" if sharded else tmp).mkdir(parents=True)
-        # what every folder holds is rank 0's: the writers of other groups get it here
-        return {"state": state, "scheduler": scheduler.state_dict(), "rng": _rng_state()} if rank == 0 else None
+        # what every folder holds is rank 0's (and every rank's generator state): the writers of other groups get it
+        if rank == 0:
+            return {"state": state, "scheduler": scheduler.state_dict(), "rng": _rng_state()}
+        return {"rng": _rng_state()}
 
     def shards():
         both = {"model": get_model_state_dict(root, options=_TRAINED), "optim": get_optimizer_state_dict(root, optimizer)}
@@ -190,7 +204,7 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
             opt_tensors, opt_meta = _optimizer_state(root, optimizer)
             write_safetensors(opt_tensors, tmp / "optimizer.safetensors")
         rng_tensors, rng_meta = first["rng"]
-        write_safetensors(rng_tensors, tmp / "rng.safetensors")
+        write_safetensors(_torch_rng_by_rank(rng_tensors, [r["rng"][0] for r in began]), tmp / "rng.safetensors")
         full_state = {**first["state"], "step": step, "scheduler": first["scheduler"], "optimizer": opt_meta,
                       "rng": rng_meta, "sharded": sharded, "world_size": distributed.world_size()}
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
@@ -205,7 +219,8 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
             _fsync_dir(folder)
 
     try:
-        first = _agreed(begin, step, folder, tmp, writer, root)[0]
+        began = _agreed(begin, step, folder, tmp, writer, root)
+        first = began[0]
         owned, plans = {}, None
         if sharded:
             parts = _agreed(shards, step, folder, tmp, writer, root)
@@ -378,7 +393,7 @@ def load_checkpoint(path: Path, root, optimizer, scheduler, verified: bool = Fal
             _load_model(root, path / "model.safetensors")
             _load_optimizer(root, optimizer, path / "optimizer.safetensors", meta)
         scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(rng, state["rng"])
+        _set_rng_state(rng, state["rng"], state.get("world_size", 1) == distributed.world_size())
     except LeanSFTError:
         raise
     except Exception as err:  # noqa: BLE001 - verified files that still do not load: name them, no traceback
