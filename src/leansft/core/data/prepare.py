@@ -87,11 +87,11 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
     tokenizer = load_tokenizer(tokenizer_spec, trust_remote_code)
     template = resolve_template(tokenizer, cfg.template)
     eval_data = None
-    cache = cache_storage or distributed.storage_of(cache_dir(cfg.cache_dir))
+    folder = cache_dir(cfg.cache_dir)
+    cache = cache_storage or distributed.storage_of(folder)
     if distributed.world_size() > 1 and distributed.rank() == 0:
-        log.info("preparing the data %s", f"once for all {distributed.world_size()} ranks (the cache folder "
-                 f"{cache_dir(cfg.cache_dir)} is shared)" if cache.shared else f"once per node (the cache folder "
-                 f"{cache_dir(cfg.cache_dir)}: {cache.describe()})")
+        log.info("preparing the data %s", f"once for all {distributed.world_size()} ranks (the cache folder {folder} "
+                 "is shared)" if cache.shared else f"once per node (the cache folder {folder}: {cache.describe()})")
     with distributed.writers_first(cache):
         data, report = build_dataset(cfg, tokenizer, template, seed=seed, truncate=truncate)
         if holdout and cfg.eval_file:

@@ -178,9 +178,9 @@ def _state_sliding_window(writer, config: dict) -> None:
 def _check_gemma3(config: dict) -> None:
     """What llama.cpp's gemma3 graph assumes and reads from no key: queries scaled by 1/sqrt(head size), or
     1/sqrt(hidden/heads) for 62 layers (the 27B); every sixth layer of full attention, the others sliding."""
-    text = config.get("text_config", config)
     if config.get("model_type") not in ("gemma3", "gemma3_text"):
         return
+    text = config.get("text_config", config)
     layers, hidden, heads = text.get("num_hidden_layers"), text.get("hidden_size"), text.get("num_attention_heads")
     used = hidden // heads if layers == 62 else text.get("head_dim", 256)
     scalar = text.get("query_pre_attn_scalar", 256)

@@ -7,7 +7,7 @@ file is pickled by torch, so resume an FSDP checkpoint only from a folder you tr
 Layout of OUTPUT_DIR/checkpoints/step-N/:
   model.safetensors        trainable weights by name (LoRA: the adapters alone)
   optimizer.safetensors    optimizer state tensors, keyed "<parameter name>/<state name>"
-  rng.safetensors          torch CPU (and CUDA) generator states: rank 0's, and each rank's as "rankR.<name>"
+  rng.safetensors          torch CPU (and CUDA) generator states: rank 0's, and each other rank's as "rankR.<name>"
   state.json               step, data position, counters, world size, accumulation, scheduler, optimizer
                            param groups, numpy/python RNG, evaluator state (best, patience, history)
   config.yaml              the resolved run config
@@ -134,14 +134,15 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
 
 def _torch_rng_by_rank(rank0: dict[str, torch.Tensor], gathered: list[dict[str, torch.Tensor]]) -> dict:
     """rng.safetensors' tensors: rank 0's torch generator states by their own names (what a resume on another world
-    size, or an older leansft, restores on every rank), and every rank's as ``rank{R}.{name}``: dropout and NEFTune
-    draw from each rank's own stream, which a resume on as many ranks continues."""
-    return {**rank0, **{f"rank{r}.{k}": v for r, own in enumerate(gathered) for k, v in own.items()}}
+    size, or an older leansft, restores on every rank), and every other rank's as ``rank{R}.{name}``: dropout and
+    NEFTune draw from each rank's own stream, which a resume on as many ranks continues."""
+    return {**rank0, **{f"rank{r}.{k}": v for r, own in enumerate(gathered) if r for k, v in own.items()}}
 
 
 def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict, same_ranks: bool = False) -> None:
     """Restore the generators: this rank's own torch states where the checkpoint has them and ``same_ranks`` (saved
-    on as many ranks), else rank 0's; numpy and python from rank 0 (nothing in training draws from them)."""
+    on as many ranks), else rank 0's (the unprefixed names); numpy and python from rank 0 (nothing in training draws
+    from them)."""
     own = f"rank{distributed.rank()}."
     if same_ranks and f"{own}torch_cpu" in tensors:
         tensors = {k.removeprefix(own): v for k, v in tensors.items() if k.startswith(own)}
