@@ -50,7 +50,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         if isinstance(v, dict):
             out.update(flatten(v, key + "."))
         else:
-            out[key] = v if isinstance(v, (int, float, str, bool)) or v is None else json.dumps(v)
+            out[key] = v if isinstance(v, (int, float, str, bool)) or v is None else json.dumps(v, sort_keys=True)
     return out
 
 

@@ -1,8 +1,8 @@
 """Checkpoint files: safetensors for tensors, JSON for the rest, written atomically and verified.
 
-Single-process and DDP checkpoints load no pickle (nothing in them can execute code). FSDP checkpoints
-are written by torch.distributed.checkpoint into ``dcp/``: tensors as raw shards, but its ``.metadata``
-file is pickled by torch, so resume an FSDP checkpoint only from a folder you trust.
+Nothing in a checkpoint can execute code: single-process and DDP checkpoints hold no pickle, and an FSDP
+checkpoint's ``dcp/`` (torch.distributed.checkpoint, whose index ``.metadata`` is a pickle) is read through
+``dcp_safe``, which admits DCP's own metadata classes and plain values only.
 
 Layout of OUTPUT_DIR/checkpoints/step-N/:
   model.safetensors        trainable weights by name (LoRA: the adapters alone)
@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from leansft.core import distributed
 from leansft.core.errors import LeanSFTError
-from leansft.core.io import dcp_node_local
+from leansft.core.io import dcp_node_local, dcp_safe
 
 log = logging.getLogger("leansft")
 PREFIX = "step-"
@@ -324,6 +324,12 @@ def _write_manifest(folder: Path, owned: dict[str, dict] | None = None, storage:
     return {**entries, **owned}
 
 
+def _inside(name: str) -> bool:
+    """A manifest entry names a file inside the checkpoint folder: relative, no ``..``, no empty part."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts) and "\\" not in name
+
+
 def damage(path: Path, ranks: set[int] | None = None) -> str | None:
     """What is wrong with checkpoint ``path`` (missing manifest, a file missing, truncated or changed),
     or None when every file is as the manifest lists it. ``ranks``: check only these ranks' own files (FSDP shards)
@@ -334,10 +340,16 @@ def damage(path: Path, ranks: set[int] | None = None) -> str | None:
         return f"{MANIFEST} missing (an incomplete write, or a checkpoint of an older leansft)"
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return f"{MANIFEST} is damaged"
+    if not isinstance(files, dict):
+        return f"{MANIFEST} is damaged"
     for name, want in files.items():
+        if not _inside(name):
+            return f"{MANIFEST} lists {name!r}, which is not a file of the checkpoint folder"
         if ranks is not None and "rank" in want and want["rank"] not in ranks:
             continue
         f = path / name
+        if any((path / "/".join(name.split("/")[: i + 1])).is_symlink() for i in range(name.count("/") + 1)):
+            return f"{name} is a symbolic link (a checkpoint holds its own files)"
         if not f.is_file():
             return f"{name} missing" + (f" (rank {want['rank']}'s shard)" if "rank" in want else "")
         size = f.stat().st_size
@@ -378,12 +390,12 @@ def load_checkpoint(path: Path, root, optimizer, scheduler, verified: bool = Fal
     try:
         state = json.loads((path / "state.json").read_text())
         rng = load_file(path / "rng.safetensors")
-        if state.get("sharded"):
+        if _sharded(path, state):
             opts = StateDictOptions(ignore_frozen_params=True)
             model_sd = get_model_state_dict(root, options=opts)
             optim_sd = get_optimizer_state_dict(root, optimizer)
             both = {"model": model_sd, "optim": optim_sd}
-            dcp.load(both, checkpoint_id=str(path / "dcp"))
+            dcp_safe.load(both, path / "dcp")
             set_model_state_dict(root, both["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(root, optimizer, both["optim"])
         else:
@@ -400,6 +412,19 @@ def load_checkpoint(path: Path, root, optimizer, scheduler, verified: bool = Fal
     except Exception as err:  # noqa: BLE001 - verified files that still do not load: name them, no traceback
         raise LeanSFTError(f"cannot load checkpoint: {type(err).__name__}: {str(err)[:300]}", file=str(path)) from None
     return state
+
+
+def _sharded(path: Path, state: dict) -> bool:
+    """Whether checkpoint ``path`` is read through DCP: only where the strategy its own config names (FSDP over
+    several ranks) wrote it that way; a state.json that says otherwise is refused."""
+    if state.get("sharded") is not True:
+        return False
+    saved = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else None
+    strategy = ((saved or {}).get("distributed") or {}).get("strategy") if isinstance(saved, dict) else None
+    if strategy != "fsdp" or int(state.get("world_size", 1)) < 2 or not (path / "dcp" / ".metadata").is_file():
+        raise LeanSFTError("state.json says the checkpoint is sharded, but its config.yaml and files are not an "
+                           "FSDP run's: not a checkpoint leansft wrote", file=str(path))
+    return True
 
 
 def _load_optimizer(root, optimizer, file: Path, meta: dict) -> None:
@@ -432,10 +457,10 @@ def load_weights(path: Path, root) -> dict:
     if problem:
         raise LeanSFTError(f"damaged checkpoint: {problem}", file=str(path))
     state = json.loads((path / "state.json").read_text())
-    if state.get("sharded"):
+    if _sharded(path, state):
         model_sd = get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True))
         both = {"model": model_sd}
-        dcp.load(both, checkpoint_id=str(path / "dcp"))
+        dcp_safe.load(both, path / "dcp")
         set_model_state_dict(root, both["model"], options=StateDictOptions(strict=False))
     else:
         _load_model(root, path / "model.safetensors")
@@ -474,32 +499,6 @@ def list_checkpoints(folder: Path) -> list[Path]:
         return []
     found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
-
-
-def find_resume(output_dir: Path, resume: str) -> Path | None:
-    """The checkpoint to resume: ``auto`` = the newest intact one (damaged newer ones are named in the log
-    and skipped), or the given folder, which must be intact. None when ``auto`` finds no checkpoint."""
-    if resume != "auto":
-        path = Path(resume)
-        if not path.is_dir():
-            raise LeanSFTError("not a checkpoint folder", file=resume)
-        problem = damage(path)
-        if problem:
-            raise LeanSFTError(f"damaged checkpoint: {problem}", file=resume)
-        return path
-    found = list_checkpoints(output_dir / "checkpoints")
-    problems = []
-    for path in reversed(found):
-        problem = damage(path)
-        if problem is None:
-            for name, why in problems:
-                log.warning("checkpoint %s is damaged (%s); resuming from %s instead", name, why, path.name)
-            return path
-        problems.append((path.name, problem))
-    if problems:
-        raise LeanSFTError("no intact checkpoint to resume: " + "; ".join(f"{n}: {w}" for n, w in problems),
-                           file=str(output_dir / "checkpoints"))
-    return None
 
 
 def clean_unfinished(folder: Path) -> None:
