@@ -6,11 +6,14 @@ The source is the llama.cpp tree pinned inside the ``llama-cpp-python`` 0.3.36 s
 ``pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`` when no path is given). Written to
 ``src/leansft/_vendor/llama_cpp/`` with llama.cpp's MIT licence, and changed only as listed in PATCHES: imports
 renamed into the package (the converter's ``gguf`` is newer than the ``gguf`` on PyPI, which transformers uses to
-read GGUF files, so the two live side by side), and tokenizers read without running a model folder's own code.
+read GGUF files, so the two live side by side), tokenizers read without running a model folder's own code (every
+``from_pretrained`` call says ``trust_remote_code=False``), nothing put on ``sys.path`` and no vocabulary read
+relative to it. SHA256SUMS records every file written.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import re
 import shutil
@@ -32,7 +35,14 @@ PATCHES = [  # (pattern, replacement, why)
     (r'__import__\(f"conversion\.', f'__import__(f"{PKG}.conversion.', "the package's own name"),
     (r"trust_remote_code=True", "trust_remote_code=False",
      "a model folder's tokenizer code is never run (leansft runs no code a file names)"),
+    (r"^(\s*)sys\.path\.insert\(.*\)$", r"\1pass  # leansft: sys.path is left alone",
+     "importing the converter puts nothing on sys.path"),
+    (r'^(\s*)tokenizer_path = Path\(sys\.path\[0\]\) / "models" / f"ggml-vocab-\{model_name\}\.gguf"$',
+     r'\1raise NotImplementedError(f"ggml-vocab-{model_name}.gguf: the built-in vocabularies of llama.cpp are '
+     r'not shipped with leansft")',
+     "no vocabulary is read from a folder relative to sys.path[0] (the working directory under torchrun)"),
 ]
+KEYWORD = "trust_remote_code=False"  # put into every from_pretrained call that does not say it (AST-found)
 
 
 def sdist(path: str | None) -> Path:
@@ -50,7 +60,39 @@ def patched(text: str, counts: dict[str, int]) -> str:
     for pattern, repl, _ in PATCHES:
         text, n = re.subn(pattern, repl, text, flags=re.M)
         counts[pattern] = counts.get(pattern, 0) + n
+    text, n = explicit_trust(text)
+    counts[KEYWORD] = counts.get(KEYWORD, 0) + n
     return text
+
+
+def explicit_trust(text: str) -> tuple[str, int]:
+    """``trust_remote_code=False`` in every ``*.from_pretrained(...)`` call that does not pass it (transformers asks
+    on stdin where it is left out, and runs the folder's code on "y"), after the call's last argument; found by the
+    AST, so calls over several lines are found too."""
+    lines = text.splitlines(keepends=True)
+    calls = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "from_pretrained" and "trust_remote_code" not in {k.arg for k in n.keywords}]
+    edits = []
+    for call in calls:
+        last = max([*call.args, *call.keywords], key=lambda a: (a.end_lineno, a.end_col_offset), default=None)
+        if last is None:
+            edits.append((call.func.end_lineno - 1, call.func.end_col_offset + 1, KEYWORD))  # just inside "("
+        else:
+            edits.append((last.end_lineno - 1, last.end_col_offset, ", " + KEYWORD))
+    for row, col, words in sorted(edits, reverse=True):
+        line = lines[row].encode()  # AST offsets count UTF-8 bytes
+        lines[row] = (line[:col] + words.encode() + line[col:]).decode()
+    out = "".join(lines)
+    ast.parse(out)  # still Python
+    return out, len(calls)
+
+
+def checksums(root: Path) -> str:
+    """``sha256  path`` of every vendored file (SHA256SUMS' text, ``sha256sum -c`` reads it): a test holds the tree to
+    it, so a hand edit shows."""
+    files = sorted(f for f in root.rglob("*")
+                   if f.is_file() and f.name != "SHA256SUMS" and "__pycache__" not in f.parts)
+    return "".join(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.relative_to(root).as_posix()}\n" for f in files)
 
 
 def main() -> None:
@@ -78,8 +120,14 @@ def main() -> None:
              f"({', '.join(GGUF_MODULES)}). MIT licence: LICENSE. Regenerate with `python "
              "scripts/vendor_llama_cpp.py`; do not edit by hand.\n", "Changes (regular expressions, all files):\n"]
     lines += [f"- `{p}` -> `{r}` ({counts[p]}x): {why}" for p, r, why in PATCHES]
+    lines += [f"- `{KEYWORD}` put into every `from_pretrained(...)` call that did not pass "
+              f"`trust_remote_code` ({counts[KEYWORD]}x): transformers would ask on stdin, and run the folder's code "
+              "on \"y\"",
+              "\nSHA256SUMS lists every file's sha256 (`sha256sum -c SHA256SUMS`); the test suite checks the tree "
+              "against it."]
     (DEST / "README.md").write_text("\n".join(lines) + "\n")
-    print(f"vendored into {DEST}: " + ", ".join(f"{counts[p]}x {p}" for p, _, _ in PATCHES))
+    (DEST / "SHA256SUMS").write_text(checksums(DEST))
+    print(f"vendored into {DEST}: " + ", ".join(f"{n}x {p}" for p, n in counts.items()))
 
 
 if __name__ == "__main__":

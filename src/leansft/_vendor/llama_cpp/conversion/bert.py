@@ -131,7 +131,7 @@ class BertModel(TextModel):
 
             from base64 import b64decode
             from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(self.dir_model)
+            tokenizer = AutoTokenizer.from_pretrained(self.dir_model, trust_remote_code=False)
 
             with open(tokenizer_path, "r", encoding="utf-8") as fp:
                 tokenizer_json = json.load(fp)

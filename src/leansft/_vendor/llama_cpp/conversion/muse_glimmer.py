@@ -36,7 +36,7 @@ class MuseGlimmerModel(TextModel):
         self._set_vocab_gpt2()
 
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(self.dir_model)
+        tok = AutoTokenizer.from_pretrained(self.dir_model, trust_remote_code=False)
         eot_id = tok.convert_tokens_to_ids("<|eot|>")  # ty: ignore[unresolved-attribute]
         if isinstance(eot_id, int) and eot_id >= 0:
             self.gguf_writer.add_eot_token_id(eot_id)

@@ -19,7 +19,7 @@ if __name__ == "__main__":
     from pathlib import Path
 
     # Allow running file in package as a script.
-    sys.path.insert(0, str(Path(__file__).parent.parent))
+    pass  # leansft: sys.path is left alone
 
 from leansft._vendor.llama_cpp.gguf.constants import (
     GGML_MAX_DIMS,

@@ -590,7 +590,7 @@ class LlamaHfVocab(Vocab):
         self.tokenizer = AutoTokenizer.from_pretrained(
             base_path,
             cache_dir=base_path,
-            local_files_only=True,
+            local_files_only=True, trust_remote_code=False,
         )
         assert self.tokenizer.is_fast  # assume tokenizer.json is used  # ty: ignore[unresolved-attribute]
 
