@@ -197,7 +197,8 @@ class CheckpointConfig(_Strict):
     storage: Literal["auto", "shared", "node_local"] = Field(
         "auto", description="where the ranks of a multi-node run keep checkpoints: shared (output_dir is one folder "
         "every node mounts; refused otherwise), node_local (each node's own disk: each node writes its part of "
-        "every checkpoint), auto (found at start by a token file every rank reads back, and logged)")
+        "every checkpoint; refused where ranks on different nodes share the folder), auto (found at start by a token "
+        "file every rank reads back, and logged)")
 
 
 Tracker = Literal["tensorboard", "wandb", "mlflow"]

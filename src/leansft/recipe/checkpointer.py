@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from leansft.core import distributed
 from leansft.core.config import RunConfig
 from leansft.core.errors import LeanSFTError
 from leansft.core.io import checkpoint_files as ckpt
+from leansft.core.io import run_lock
 from leansft.recipe.batches import Position
 from leansft.recipe.throughput import StepCounts
 from leansft.recipe.trackers import flatten
@@ -103,7 +106,8 @@ def finished_run(path: Path | None, cfg: RunConfig) -> int | None:
 def checkpoint_storage(cfg: RunConfig, out: Path) -> distributed.Storage:
     """How the ranks share ``output_dir`` (``distributed.storage_of``: every rank reads back a token file), held
     against ``checkpoint.storage``: ``shared`` refuses anything but one folder for every rank, naming a rank that
-    cannot see rank 0's; ``node_local`` and ``auto`` take what is there. Said once, by rank 0."""
+    cannot see rank 0's; ``node_local`` refuses a folder that ranks on different nodes share (torchrun's node
+    rank, ``GROUP_RANK``), naming two of them; ``auto`` takes what is there. Said once, by rank 0."""
     storage = distributed.storage_of(out)
     want, world = cfg.checkpoint.storage, distributed.world_size()
     if want == "shared" and not storage.shared:
@@ -113,15 +117,52 @@ def checkpoint_storage(cfg: RunConfig, out: Path) -> distributed.Storage:
             f"{storage.names[blind]} does not see what rank 0 writes there ({storage.describe()})",
             hint="give every node the same mounted output_dir, or set checkpoint.storage: node_local (each node "
                  "keeps its own part of every checkpoint)")
+    if want == "node_local" and world > 1:
+        nodes = distributed.all_gather_object(os.environ.get("GROUP_RANK") or socket.gethostname())
+        mixed = next((g for g in storage.groups if len({nodes[r] for r in g}) > 1), None)
+        if mixed is not None:
+            other = next(r for r in mixed if nodes[r] != nodes[mixed[0]])
+            raise LeanSFTError(
+                f"checkpoint.storage is node_local, but {storage.names[mixed[0]]} and {storage.names[other]}, on "
+                f"different nodes, share output_dir {out}: it is shared storage", file=str(out),
+                hint="set checkpoint.storage: shared (or auto), or give each node a folder of its own")
     if world > 1 and distributed.rank() == 0:
         if storage.shared:
-            log.info("checkpoints: output_dir %s is one folder for every rank (shared storage); rank 0 writes them%s",
-                     out, " (checkpoint.storage: node_local, but nothing is node-local here)"
-                     if want == "node_local" else "")
+            log.info("checkpoints: output_dir %s is one folder for every rank (shared storage); rank 0 writes them",
+                     out)
         else:
             log.info("checkpoints: output_dir %s is each node's own (node-local storage; %s): each node writes its "
                      "part of every checkpoint", out, storage.describe())
     return storage
+
+
+def claim_output_dir(cfg: RunConfig, out: Path) -> distributed.Storage:
+    """Hold ``out`` for this run (``run_lock``) and say how the ranks share it (``checkpoint_storage``). Rank 0 takes
+    the lock before anything in the folder changes; once the storage check has shown which ranks see their own
+    folder (node-local disks), the first rank of each other group takes its folder's. A folder another run holds is
+    one refusal, in the same words on every rank."""
+    refusal = run_lock.acquire(out) if distributed.rank() == 0 else None
+    try:
+        _refuse_held(out, [(distributed.whoami(), refusal)] if distributed.world_size() == 1
+                     else [("rank 0", distributed.broadcast_object(refusal))])
+        storage = checkpoint_storage(cfg, out)
+        mine = run_lock.acquire(out) if storage.writer() and distributed.rank() != 0 else None
+        _refuse_held(out, distributed.all_gather_object((distributed.whoami(), mine)))
+    except BaseException:
+        run_lock.release(out)
+        raise
+    return storage
+
+
+def _refuse_held(out: Path, views: list[tuple[str, str | None]]) -> None:
+    held = [(who, by) for who, by in views if by]
+    if held:
+        who, by = held[0]
+        where = f" (seen by {who})" if distributed.world_size() > 1 else ""
+        raise LeanSFTError(f"output_dir is in use by another leansft run: {by}{where}; one run per output_dir at a "
+                           "time", file=str(out),
+                           hint="wait for that run to end (or stop it), or choose another output_dir; nothing in the "
+                                "folder was changed")
 
 
 def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int,
@@ -129,7 +170,10 @@ def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int,
     """The checkpoint to resume from (None: a fresh start) and the gradient accumulation that keeps its global
     step, decided alike on every rank (``agreed_checkpoint``). A step that cannot be kept is refused."""
     accum = cfg.batching.gradient_accumulation
-    path = agreed_checkpoint(out, resume, storage or distributed.Storage.one_folder(),
+    storage = storage or distributed.Storage.one_folder()
+    if storage.writer():  # the run holds output_dir (``run_lock``): a .tmp-* there is an earlier run's, killed
+        ckpt.clean_unfinished(out / "checkpoints")
+    path = agreed_checkpoint(out, resume, storage,
                              world > 1 and cfg.distributed.strategy == "fsdp")
     if path is None:
         return None, accum
@@ -148,8 +192,7 @@ def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int,
 
 def agreed_checkpoint(out: Path, resume: str | None, storage: distributed.Storage, sharded: bool) -> Path | None:
     """One checkpoint for every rank, or one refusal in the same words on every rank. The first rank of each group
-    of ranks sharing a folder (``storage``) speaks for it: it cleans the group's unfinished checkpoint folders,
-    lists its checkpoints, and verifies (``damage_for``) what its ranks will read. ``auto``: the newest checkpoint
+    of ranks sharing a folder (``storage``) speaks for it: it lists its checkpoints and verifies (``damage_for``) what its ranks will read. ``auto``: the newest checkpoint
     every group holds intact (newer or damaged ones are named in the log and skipped); none anywhere is a fresh
     start, but none in common while some group holds one is refused: a rank never starts fresh while another
     resumes. A path: it, intact for every group. Without ``resume``: a fresh start, refused over earlier checkpoints."""
@@ -165,8 +208,6 @@ def agreed_checkpoint(out: Path, resume: str | None, storage: distributed.Storag
             raise LeanSFTError(where(who) + (p if p == "not a checkpoint folder" else f"damaged checkpoint: {p}"),
                                file=resume)
         return path
-    if writer:
-        ckpt.clean_unfinished(folder)
     names = [p.name for p in ckpt.list_checkpoints(folder)] if writer else None
     held = [(who, n) for who, n in distributed.all_gather_object((distributed.whoami(), names)) if n is not None]
     if not resume:

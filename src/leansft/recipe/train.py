@@ -27,6 +27,7 @@ from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConf
 from leansft.core.data.prepare import PreparedData, prepare_data
 from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import LeanSFTError, PeerFailure
+from leansft.core.io import run_lock
 from leansft.core.io.hf_export import export, gather_full_weights
 from leansft.core.model.bf16_base import holds_bf16_base
 from leansft.core.model.forward import LossModule
@@ -51,7 +52,7 @@ from leansft.recipe.builders import (
     store_frozen_base,
     verified_strategy,
 )
-from leansft.recipe.checkpointer import Checkpointer, checkpoint_storage, finished_run, resume_point
+from leansft.recipe.checkpointer import Checkpointer, claim_output_dir, finished_run, resume_point
 from leansft.recipe.divergence import DivergenceGuard
 from leansft.recipe.evaluator import Evaluator
 from leansft.recipe.metrics_log import MetricsLog, truncate_jsonl
@@ -127,12 +128,21 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int,
 
 
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
-    """Run training as configured; returns the last logged record plus ``stopped`` (by a signal)."""
+    """Run training as configured; returns the last logged record plus ``stopped`` (by a signal). The run holds its
+    output_dir (``claim_output_dir``) from before it changes anything there until it ends."""
     distributed.init(cfg.distributed.timeout_s)
+    out = check_output_dir(cfg.output_dir)
+    storage = claim_output_dir(cfg, out)
+    try:
+        return run_training(cfg, resume, out, storage)
+    finally:
+        run_lock.release(out)
+
+
+def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distributed.Storage) -> dict:
     run = RunTotals()
     cfg = cfg.model_copy(deep=True)  # strategy/accumulation may change below; the caller's config stays as given
-    rank, world, device, out = distributed.rank(), distributed.world_size(), pick_device(), check_output_dir(cfg.output_dir)
-    storage = checkpoint_storage(cfg, out)
+    rank, world, device = distributed.rank(), distributed.world_size(), pick_device()
     resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world, storage)
     done = distributed.broadcast_object(finished_run(resume_from, cfg) if rank == 0 else None)  # rank 0 has the logs
     if done is not None:  # before any model loads; nothing in the run folder is touched

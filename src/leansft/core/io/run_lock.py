@@ -1,0 +1,70 @@
+"""One run per output_dir: an OS lock on a file in the folder, held for the run's whole life.
+
+A second ``leansft train`` started on a running run's folder used to remove the first run's half-written checkpoint
+at its start (the first then died at its next save), and two runs started together on one fresh folder both
+trained into it. A run now takes ``LOCK`` in output_dir before it changes anything there; a second run (a resume, a
+cleanup of ``.tmp-*``) refuses in one line naming the holder (host, pid, start time, written into the file).
+
+The lock is a POSIX record lock (``fcntl.lockf``): the kernel drops it with the process, however it ends (kill -9
+included), forked helper processes do not inherit it, and NFS carries it to other machines (lockd / NFSv4). A file
+system that has no working locks is said in a warning, not silently raced.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+log = logging.getLogger("leansft")
+LOCK = ".leansft-run.lock"
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_HELD: dict[Path, int] = {}  # folders this process holds (POSIX locks never conflict within one process)
+
+
+def acquire(folder: Path) -> str | None:
+    """Take ``folder``'s run lock for this process; None when taken (or when locks do not work there, with a
+    warning), else who holds it (``holder``'s words)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    key = folder.resolve()
+    if key in _HELD:
+        return "this process (another run in it holds the folder)"
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EACCES, errno.EAGAIN):
+            return holder(folder)
+        if err.errno in _NO_LOCKS:
+            log.warning("output_dir %s is on a file system without working locks (%s): nothing keeps a second run "
+                        "off this folder while this one runs", folder, os.strerror(err.errno))
+            return None
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
+    _HELD[key] = fd
+    return None
+
+
+def release(folder: Path) -> None:
+    """Give ``folder``'s lock back (closing the file drops it); nothing where this process does not hold it."""
+    fd = _HELD.pop(folder.resolve(), None)
+    if fd is not None:
+        os.ftruncate(fd, 0)  # no holder named: a run that ended leaves an empty file (a killed one, its last words)
+        os.close(fd)
+
+
+def holder(folder: Path) -> str:
+    """``pid P on HOST, started T``: who holds ``folder``'s lock, as it wrote into the file."""
+    try:
+        who = json.loads((folder / LOCK).read_text())
+        return f"pid {who['pid']} on {who['host']}, started {who['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (it has not said who yet)"
