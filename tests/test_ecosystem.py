@@ -222,7 +222,8 @@ def test_the_demo_model_exports_as_a_folder_and_as_the_gguf_llama_cpps_converter
         assert torch.equal(weights[hf], torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)))
     assert tf.AutoTokenizer.from_pretrained(tmp_path / "smol").chat_template
     got, _ = gguf_fields(tmp_path / "smol.gguf")
-    ours_only = {"llama.attention.key_length", "llama.attention.value_length"}  # the newer converter states them
+    # the newer converter states the first two; the third says leansft wrote the file (what it replaces unasked)
+    ours_only = {"llama.attention.key_length", "llama.attention.value_length", "leansft.export"}
     compared = [k for k in ref if not k.startswith(("general.", "GGUF.")) and k != "tokenizer.ggml.add_space_prefix"]
     assert got["tokenizer.ggml.pre"] == "smollm"
     assert {k: got.get(k) for k in compared} == {k: ref[k] for k in compared}

@@ -12,8 +12,8 @@ import torch
 from helpers import run_config, tiny_model
 
 from leansft.core.batching.collate import collate_padded
-from leansft.core.data.masking import IGNORE_INDEX, resolve_template
-from leansft.core.inference.generation import generate, stop_token_ids
+from leansft.core.data.masking import IGNORE_INDEX, resolve_template, stop_token_ids
+from leansft.core.inference.generation import generate
 from leansft.core.inference.heldout_loss import evaluate
 from leansft.core.io import checkpoint_files as ckpt
 from leansft.core.model.attention import VARLEN, use_packed_attention, use_plain_attention
@@ -61,15 +61,15 @@ def test_eval_loss_equals_padded_transformers_forward(tmp_path, load_tok, tiny_b
 def test_stop_tokens_fall_back_to_eos_only_when_the_template_cannot_mark_turns(load_tok, tiny_bpe_path, monkeypatch):
     """A template leansft cannot mark turns in still generates, stopped by eos; any other failure is a bug and
     is raised, not turned into samples that run past the end of the turn."""
+    from leansft.core.data import masking
     from leansft.core.errors import TemplateError
-    from leansft.core.inference import generation
 
     tok = load_tok(tiny_bpe_path)
     template = resolve_template(tok, None)
     for error, raised in ((TemplateError("cannot mark the assistant turn"), False), (KeyError("input_ids"), True)):
         def fail(self, convs, err=error):
             raise err
-        monkeypatch.setattr(generation.ChatEncoder, "encode", fail)
+        monkeypatch.setattr(masking.ChatEncoder, "encode", fail)
         if raised:
             with pytest.raises(KeyError):
                 stop_token_ids(tok, template)

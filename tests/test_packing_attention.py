@@ -225,7 +225,7 @@ def test_a_packed_micro_batch_reads_nothing_back_from_the_device():
 
 
 def test_segment_lengths_come_from_the_host_for_that_boundaries_tensor_only():
-    from leansft.core.batching.collate import HostRead
+    from leansft.core.host_read import HostRead
     from leansft.core.model.attention import remember_segment_sizes, segment_sizes
 
     cu = torch.tensor([0, 5, 12], device="meta")  # a device the host cannot read: the lengths must be handed over

@@ -246,7 +246,7 @@ def test_lora_adapters_alone_export_loads_with_peft_and_stops_at_turn_end(tmp_pa
     train(cfg)
     run = Path(cfg.output_dir)
 
-    from leansft.core.inference.generation import stop_token_ids
+    from leansft.core.data.masking import stop_token_ids
     from leansft.recipe.export_run import load_source
 
     trained, tokenizer, template, _ = load_source(str(run))  # the newest checkpoint, LoRA merged

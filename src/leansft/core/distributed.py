@@ -77,14 +77,22 @@ def stalled(wait_s: float = 3 * Heartbeat.EVERY_S) -> list[str]:
         keys = [Heartbeat.KEY.format(r) for r in range(world_size())]
 
         def beats() -> list[tuple[str, str]]:
-            return [tuple(store.get(k).decode().split(" ", 1)) if store.check([k]) else ("", "?") for k in keys]
+            return [_beat(store.get(k)) if store.check([k]) else ("", "?") for k in keys]
 
         before = beats()
         time.sleep(wait_s)
         after = beats()
     except Exception:  # noqa: BLE001 - a store that does not answer tells nothing
         return []
-    return [f"rank {r} on {host}" for r, ((b, host), (a, _)) in enumerate(zip(before, after, strict=True)) if a == b]
+    return [f"rank {r} on {host}" for r, ((b, host), (a, _)) in enumerate(zip(before, after, strict=True))
+            if a == b != "?"]
+
+
+def _beat(value: bytes) -> tuple[str, str]:
+    """(count, host) of a heartbeat value; whatever else is in the store reads as ("?", "?"), so a value written by
+    something else never hides the error being named."""
+    count, _, host = value.decode("utf-8", "replace").partition(" ")
+    return (count, host or "?") if count.isdigit() else ("?", "?")
 
 
 def peer_failure(err: BaseException, timeout_s: float) -> str | None:

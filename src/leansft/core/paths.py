@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 from leansft.core.errors import ModelError
@@ -24,11 +25,44 @@ def resolve_package_path(spec: str) -> str:
     if not spec.startswith("pkg:"):
         return spec
     package, _, rel = spec[4:].partition("/")
-    found = importlib.util.find_spec(package)
+    if not package.isidentifier():  # find_spec("a.b") imports a: a name with a dot would run that package's code
+        raise ModelError(f"'{package}' is not the name of an installed top-level package (pkg:PACKAGE/path/in/it)",
+                         file=spec)
+    found = importlib.util.find_spec(package)  # a top-level name is looked up, not imported
     if found is None or not found.submodule_search_locations:
         raise ModelError(f"package '{package}' is not installed", file=spec,
                          hint=f"pip install {package.replace('_', '-')}")
-    path = Path(list(found.submodule_search_locations)[0]) / rel
+    root = Path(list(found.submodule_search_locations)[0])
+    path = root / rel
+    if root.resolve() not in path.resolve().parents:
+        raise ModelError(f"the path is not inside package '{package}'", file=spec)
     if not path.exists():
         raise ModelError("no such file in the installed package", file=str(path))
     return str(path)
+
+
+def plain_file_mode() -> int:
+    """The mode a plain new file gets here (0644 under the usual umask), read without changing the umask: the
+    process's umask is shared by every thread, so setting it even for a moment could give another thread's files
+    other modes. Files written through a private temporary file (0600) are given it before they are published."""
+    with tempfile.TemporaryDirectory() as private:  # 0700: nobody else can place anything in it
+        probe = Path(private) / "probe"
+        probe.touch()  # created 0666 & ~umask, as open() creates a file
+        return probe.stat().st_mode & 0o777
+
+
+def private_compile_cache() -> Path:
+    """Point torch.compile's cache (inductor's generated code, pickled graphs and the shared libraries it builds,
+    and Triton's kernels beneath it) at a folder only this user can write, unless ``TORCHINDUCTOR_CACHE_DIR`` says
+    where: its default, ``/tmp/torchinductor_USER``, sits in a folder every user can write, where another user
+    could have placed it first. The folder is ``LEANSFT_CACHE``/inductor-UID (mode 0700, owned by this user)."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    folder = default_cache_dir() / f"inductor-{os.getuid()}"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+        raise ModelError(f"torch.compile's cache folder {folder} belongs to another user",
+                         hint="set TORCHINDUCTOR_CACHE_DIR to a folder of your own")
+    os.chmod(folder, 0o700)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)  # inductor reads it at each use
+    return folder

@@ -213,10 +213,13 @@ def cmd_train(args) -> int:
     from leansft.recipe.train import main_train
     from leansft.tools.doctor import run_doctor
 
+    resume = args.resume
+    if resume is not None and "=" in resume and not Path(resume).exists():  # `--resume k=v`: --resume, then k=v
+        args.overrides.append(resume)
+        resume = "auto"
     cfg = load_config(args.config, args.overrides)
     if args.doctor and run_doctor(cfg) != 0:
         return 1
-    resume = args.resume
     if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         # torchrun --max-restarts N started this worker again after a failure: go on from the newest checkpoint
         logging.getLogger("leansft").warning("restart %s under torchrun: resuming from the newest complete checkpoint "
@@ -239,7 +242,8 @@ def _source(args):
     from leansft.recipe.builders import pick_device
     from leansft.recipe.export_run import load_source
 
-    model, tok, template, cfg = load_source(args.model)
+    model, tok, template, cfg = load_source(args.model, trust_remote_code=args.trust_remote_code,
+                                            base_model=args.base_model)
     model.to(pick_device())  # eval, generate and chat ran on the CPU even beside a GPU
     if args.template is not None or template is None:
         template = resolve_template(tok, args.template)
@@ -296,7 +300,8 @@ def cmd_report(args) -> int:
 def cmd_export(args) -> int:
     from leansft.recipe.export_run import export_source
 
-    path = export_source(args.source, args.to, args.out, args.dtype)
+    path = export_source(args.source, args.to, args.out, args.dtype, overwrite=args.overwrite,
+                         trust_remote_code=args.trust_remote_code, base_model=args.base_model)
     print(f"wrote {path}")
     return 0
 
@@ -314,9 +319,21 @@ def cmd_lm_eval(args) -> int:
     return 0
 
 
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    """How a command reads a run, checkpoint or model (``export_run.load_source``): nothing in its files runs code
+    or names what to download, unless said here."""
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the Python code a model folder ships (custom architectures); a checkpoint's own "
+                        "config.yaml never turns this on")
+    p.add_argument("--base-model", default=None,
+                   help="a checkpoint's base model to read instead of the one its config.yaml names (a local folder, "
+                        "or a Hub id to fetch: a Hub id the config names is read only from the local cache)")
+
+
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a run folder (its newest checkpoint), a checkpoint, or a model folder such as "
                                  "OUTPUT_DIR/final, as for export")
+    _add_source_args(p)
     p.add_argument("--template", default=default(DataConfig, "template"),
                    help="chat template (default: the run's, else the tokenizer's own)")
     p.add_argument("--max-new-tokens", type=_positive, default=default(EvalConfig, "max_new_tokens"),
@@ -431,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = _command(sub, "eval", help="held-out loss, perplexity and token accuracy of a model on a data file")
     e.add_argument("model", help="a run folder (its newest checkpoint), a checkpoint or a model, as for export")
+    _add_source_args(e)
     _add_data_args(e)
     e.add_argument("--max-length", type=_positive, default=default(DataConfig, "max_length"),
                    help="examples are cut at this many tokens")
@@ -463,6 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf: a plain Hugging Face model folder (safetensors, tokenizer, config); gguf: one GGUF file "
                         "for llama.cpp and friends (default: hf)")
     x.add_argument("--dtype", choices=get_args(GGUFDType), default="f16", help="GGUF tensor type (norms stay f32)")
+    x.add_argument("--overwrite", action="store_true",
+                   help="replace an OUT that leansft did not export (an earlier export is replaced without it); "
+                        "a run, a checkpoint or what the export reads is never replaced")
+    _add_source_args(x)
     x.set_defaults(func=cmd_export)
 
     le = _command(sub, "lm-eval", help="optional: run lm-evaluation-harness on an exported model (needs lm-eval)")
@@ -482,7 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides += extra  # key=value typed after the options (`train CFG --resume auto k=v`), as users do
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)

@@ -19,10 +19,10 @@ from rich.table import Table
 
 from leansft.core.batching.collate import collate_packed, collate_padded
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
+from leansft.core.data.masking import stop_token_ids
 from leansft.core.data.prepare import prepare_data
 from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import DataError, LeanSFTError, TemplateError
-from leansft.core.inference.generation import stop_token_ids
 from leansft.core.metrics.flops import attended_squares, device_peak_flops, step_flops, token_flops
 from leansft.core.metrics.memtrack import TensorMemoryTracker
 from leansft.core.model.attention import use_plain_attention

@@ -8,9 +8,7 @@ Padded (sorted/padded strategies): ordinary [B, L] tensors with an attention mas
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -18,22 +16,7 @@ import torch
 from leansft.core.batching.packing import PackPlan
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
-
-
-@dataclass(frozen=True)
-class HostRead:
-    """A value read on the host from a tensor when the batch moved to the device (``to``), valid only for that
-    very tensor, unchanged: a tensor put in its place or edited in place makes readers read from it again."""
-    value: Any
-    source: weakref.ref
-    version: int
-
-    @staticmethod
-    def of(value, tensor: torch.Tensor) -> HostRead:
-        return HostRead(value, weakref.ref(tensor), tensor._version)
-
-    def get(self, tensor: torch.Tensor):
-        return self.value if self.source() is tensor and tensor._version == self.version else None
+from leansft.core.host_read import HostRead
 
 
 class _Targets:

@@ -10,11 +10,13 @@ runs before torch loads, from ``leansft.__main__``. docs/cpu.md says what each d
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the functions that use it: ``leansft.__main__`` imports ``cpu.malloc`` first
+    import torch
 
-from leansft.core.config import CPUConfig
-from leansft.core.model.loss import PLAIN, HeadPrecision
+    from leansft.core.config import CPUConfig
+    from leansft.core.model.loss import HeadPrecision
 
 log = logging.getLogger("leansft")
 
@@ -35,6 +37,8 @@ def switch_on(model, cfg: CPUConfig, device: torch.device, *, compiled: bool, gr
 
 def head_precision(cfg: CPUConfig, device: torch.device, amp: torch.dtype | None) -> HeadPrecision:
     """The loss head's matmul policy: the CPU bf16 one where ``cpu.bf16_head`` asks for it, else the plain one."""
+    from leansft.core.model.loss import PLAIN
+
     if not cfg.bf16_head or device.type != "cpu":
         return PLAIN
     from leansft.core.cpu.bf16_head import bf16_head

@@ -45,7 +45,7 @@ from leansft.core.config import LossOn, MultiTurn, Reasoning
 from leansft.core.data.builtin_templates import BUILTIN_TEMPLATES
 from leansft.core.data.formats import Conversation
 from leansft.core.data.stops import StopTokens, find_stops
-from leansft.core.errors import TemplateError
+from leansft.core.errors import LeanSFTError, TemplateError
 
 IGNORE_INDEX = -100
 WINDOW_MIN_TURNS = 3  # from this many assistant turns, spans are found in linear time (``_window_spans``)
@@ -638,3 +638,21 @@ class ChatEncoder:
                     mark("thinking", p, p + len(thinking), True)
             out.append((ids, labels, kinds))
         return out
+
+
+def stop_token_ids(tokenizer, template: ChatTemplate | None) -> list[int]:
+    """eos, the generation config's eos ids, and the template's end-of-turn token (the stop token that ends an
+    assistant turn's loss)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    ids |= set(getattr(tokenizer, "generation_eos_ids", None) or [])
+    if template is None:
+        return sorted(ids)
+    conv = Conversation(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    try:
+        ((_, labels),), = ChatEncoder(tokenizer, template).encode([conv])
+        targets = labels[labels != IGNORE_INDEX]
+        if len(targets):
+            ids.add(int(targets[-1]))
+    except LeanSFTError:  # a template that cannot mark turns still generates; eos alone stops it (a bug propagates)
+        pass
+    return sorted(ids)

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import get_args
@@ -34,6 +35,7 @@ import torch
 
 from leansft.core.config import GGUFDType
 from leansft.core.errors import LeanSFTError
+from leansft.core.paths import plain_file_mode
 
 log = logging.getLogger("leansft")
 
@@ -44,6 +46,7 @@ CONVERTER = "llama.cpp's converter (as vendored in llama-cpp-python 0.3.36)"
 LLAMA_CPP_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
                                  "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
                                  "<end_of_utterance>"})
+GGUF_MARKER_KEY = "leansft.export"  # what wrote the file, from what: llama.cpp ignores keys it does not use
 # GPT-2's own pre-tokenizer (its regex, no prefix space): llama.cpp's ``gpt-2``
 _GPT2_PRE = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
 
@@ -104,10 +107,12 @@ def _model_class(folder: Path):
     return Converter
 
 
-def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int] = ()) -> Path:
-    """Write ``folder`` (a Hugging Face model folder) as the GGUF file ``path`` (atomically): tensors in ``dtype``
-    (f32, f16, bf16 or q8_0; norms and other small tensors f32, as the converter decides); ``stop_ids``: the token
-    ids generation must stop at (``stop_token_ids``)."""
+def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int] = (),
+            source: str | None = None) -> Path:
+    """Write ``folder`` (a Hugging Face model folder) as the GGUF file ``path``: into a fresh temporary file beside
+    it, renamed into place once whole. Tensors in ``dtype`` (f32, f16, bf16 or q8_0; norms and other small tensors
+    f32, as the converter decides); ``stop_ids``: the token ids generation must stop at (``stop_token_ids``);
+    ``source``: what was exported, recorded in the file's ``GGUF_MARKER_KEY``."""
     from leansft._vendor.llama_cpp import gguf
 
     if dtype not in DTYPES:
@@ -116,8 +121,10 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     config = json.loads((folder / "config.json").read_text())
     _check_gemma3(config)
-    tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # this call's own name
+    os.close(fd)
+    tmp = Path(name)
     try:
         with _quiet(), torch.inference_mode():
             model = _model_class(folder)(folder, ftype, tmp, model_name=path.stem)
@@ -125,10 +132,12 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
             model.prepare_metadata(vocab_only=False)
             _add_generation_stops(model.gguf_writer, stop_ids)
             _state_sliding_window(model.gguf_writer, config)
+            model.gguf_writer.add_string(GGUF_MARKER_KEY, _marker(source))
             model.gguf_writer.write_header_to_file(path=tmp)
             model.gguf_writer.write_kv_data_to_file()
             model.gguf_writer.write_tensors_to_file(progress=False)
             model.gguf_writer.close()
+        os.chmod(tmp, plain_file_mode())  # mkstemp's 0600 would keep a server running as another user out
         os.replace(tmp, path)
     except LeanSFTError:
         raise
@@ -138,6 +147,22 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _marker(source: str | None) -> str:
+    from leansft import __version__
+
+    return json.dumps({"written_by": f"leansft {__version__}", "source": source})
+
+
+def exported_by_leansft(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file leansft exported (its metadata holds ``GGUF_MARKER_KEY``)."""
+    try:
+        from leansft._vendor.llama_cpp.gguf import GGUFReader
+
+        return GGUF_MARKER_KEY in GGUFReader(path, "r").fields
+    except Exception:  # noqa: BLE001 - not a GGUF file, or a damaged one: not an export of leansft's
+        return False
 
 
 def _add_generation_stops(writer, stop_ids: Sequence[int]) -> None:

@@ -6,29 +6,9 @@ import contextlib
 
 import torch
 
-from leansft.core.data.formats import Conversation
-from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
-from leansft.core.errors import LeanSFTError
+from leansft.core.data.masking import ChatTemplate, stop_token_ids
 from leansft.core.model.attention import plain_attention
 from leansft.core.model.compile import eager
-
-
-def stop_token_ids(tokenizer, template: ChatTemplate | None) -> list[int]:
-    """eos, the generation config's eos ids, and the template's end-of-turn token (the stop token that ends an
-    assistant turn's loss)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    ids |= set(getattr(tokenizer, "generation_eos_ids", None) or [])
-    if template is None:
-        return sorted(ids)
-    conv = Conversation(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
-    try:
-        ((_, labels),), = ChatEncoder(tokenizer, template).encode([conv])
-        targets = labels[labels != IGNORE_INDEX]
-        if len(targets):
-            ids.add(int(targets[-1]))
-    except LeanSFTError:  # a template that cannot mark turns still generates; eos alone stops it (a bug propagates)
-        pass
-    return sorted(ids)
 
 
 @contextlib.contextmanager

@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from leansft.core.data.masking import stop_token_ids
 from leansft.core.errors import ModelError
-from leansft.core.inference.generation import stop_token_ids
+from leansft.core.io.export_target import MARKER, fresh_folder, marker, replace_with
+from leansft.core.paths import plain_file_mode
 
 
 def gather_full_weights(sharded_root: torch.nn.Module, plain: torch.nn.Module | None) -> None:
@@ -33,41 +35,44 @@ def gather_full_weights(sharded_root: torch.nn.Module, plain: torch.nn.Module | 
                          + ", ".join(unmatched + [f"{k} (not trained)" for k in missing])[:400])
 
 
-def export(model, tokenizer, template, folder: Path, cfg) -> Path:
-    """Write ``folder`` atomically. LoRA is merged when ``training.lora.merge_on_export``; else the folder holds
-    the adapters as PEFT saves them (``AutoPeftModelForCausalLM`` applies them to the base they name) and a
-    generation_config.json with the template's stop tokens, which PEFT does not read by itself."""
+def export(model, tokenizer, template, folder: Path, cfg, source: str | None = None) -> Path:
+    """Write ``folder``: into a fresh temporary folder beside it, then renamed into place (``export_target``), with
+    leansft's marker file. The caller decides whether ``folder`` may be replaced (``export_target.check_out``).
+    LoRA is merged when ``training.lora.merge_on_export``; else the folder holds the adapters as PEFT saves them
+    (``AutoPeftModelForCausalLM`` applies them to the base they name) and a generation_config.json with the
+    template's stop tokens, which PEFT does not read by itself. ``source``: what was exported, for the marker."""
     if hasattr(model, "peft_config") and cfg.training.lora.merge_on_export:
         model = model.merge_and_unload()
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    impl = model.config._attn_implementation
-    model.config._attn_implementation = "sdpa"  # the export must load without leansft
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-    finally:
-        model.config._attn_implementation = impl
-    tokenizer.chat_template = template.source
-    tokenizer.save_pretrained(tmp)
-    sentencepiece = Path(getattr(tokenizer, "vocab_file", None) or "")
-    if sentencepiece.suffix == ".model" and sentencepiece.is_file() and not (tmp / sentencepiece.name).exists():
-        shutil.copy(sentencepiece, tmp / sentencepiece.name)  # transformers 5 no longer writes it; converters read it
-    gen = getattr(model, "generation_config", None)  # adapters alone too: the base's own may not stop at turn end
-    if gen is not None:
-        gen.eos_token_id = stop_token_ids(tokenizer, template)
-        gen.save_pretrained(tmp)
-    readable(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.rename(tmp, folder)
+    with fresh_folder(folder) as tmp:
+        impl = model.config._attn_implementation
+        model.config._attn_implementation = "sdpa"  # the export must load without leansft
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            model.config._attn_implementation = impl
+        tokenizer.chat_template = template.source
+        tokenizer.save_pretrained(tmp)
+        sentencepiece = Path(getattr(tokenizer, "vocab_file", None) or "")
+        if sentencepiece.suffix == ".model" and sentencepiece.is_file() and not (tmp / sentencepiece.name).exists():
+            shutil.copy(sentencepiece, tmp / sentencepiece.name)  # transformers 5 no longer writes it; converters need it
+        gen = getattr(model, "generation_config", None)  # adapters alone too: the base's own may not stop at turn end
+        if gen is not None:
+            gen.eos_token_id = stop_token_ids(tokenizer, template)
+            gen.save_pretrained(tmp)
+        (tmp / MARKER).write_text(marker(source))
+        readable(tmp)
+        replace_with(tmp, folder)
     return folder
 
 
 def readable(folder: Path) -> None:
-    """Give every file the mode a plain write would (0644 under the usual umask): transformers writes the weights
-    through a private temporary file (0600), which a server running as another user could not read."""
-    mask = os.umask(0)
-    os.umask(mask)
+    """Give every file, and the folder, the mode a plain write would (``plain_file_mode``): transformers writes the
+    weights through a private temporary file (0600), and the folder comes from mkdtemp (0700), which a server
+    running as another user could not read."""
+    mode = plain_file_mode()
+    os.chmod(folder, mode | (mode & 0o444) >> 2)  # r -> x: a folder anyone may read, anyone may enter
     for f in folder.rglob("*"):
         if f.is_file():
-            os.chmod(f, 0o666 & ~mask)
+            os.chmod(f, mode)
+        elif f.is_dir():
+            os.chmod(f, mode | (mode & 0o444) >> 2)

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
-from leansft.core.batching.collate import HostRead
 from leansft.core.errors import ConfigError, ModelError
+from leansft.core.host_read import HostRead
+from leansft.core.paths import private_compile_cache
 
 log = logging.getLogger("leansft")
 VARLEN = "leansft_sdpa_varlen"
@@ -103,7 +104,7 @@ def _segment_attention(q, k, v, scaling, dropout, softcap, window, sinks=None) -
 
 # The lengths of the micro-batch now running, read on the host by ``PackedBatch.to`` and handed over by
 # ``packed_forward``: every layer needs them, and reading ``cu`` back from a CUDA device would make the host wait
-# for it once per layer. They serve that very boundaries tensor only (``collate.HostRead``), else it is read.
+# for it once per layer. They serve that very boundaries tensor only (``core.host_read.HostRead``), else it is read.
 _RUNNING: dict[str, HostRead | None] = {"sizes": None}
 
 
@@ -206,6 +207,7 @@ def _flex_kernel(device: torch.device):
     if device.type != "cuda":
         return flex_attention  # eager reference implementation: correct, not fast
     if "kernel" not in _FLEX_CACHE:
+        private_compile_cache()
         _FLEX_CACHE["kernel"] = torch.compile(flex_attention, dynamic=True)
     return _FLEX_CACHE["kernel"]
 

@@ -22,6 +22,7 @@ import shutil
 import torch
 
 from leansft.core.errors import ConfigError
+from leansft.core.paths import private_compile_cache
 
 log = logging.getLogger("leansft")
 
@@ -54,6 +55,7 @@ def compile_layers(model, fall_back: bool = False) -> int:
                           field="training.compile", hint="use compile: false")
     if fall_back:
         torch._dynamo.config.suppress_errors = True
+    private_compile_cache()
     for layer in layers:
         layer.compile(dynamic=True)
     log.info("compile: %d decoder layers compiled regionally (compiled on the first step, which is slower)",

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -69,10 +72,18 @@ def _convert_gguf(gguf: Path, out: Path) -> Path:
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.load_state_dict(src.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))  # this process's own name
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared cache out
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").is_file():  # else another process converted it first: theirs is the same
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
