@@ -313,3 +313,35 @@ def test_target_positions_from_the_host_equal_the_boolean_mask_bitwise():
         results.append((loss.detach(), n, hidden.grad, weight.grad))
     (l0, n0, h0, w0), (l1, n1, h1, w1) = results
     assert n0 == n1 == len(index) and torch.equal(l0, l1) and torch.equal(h0, h1) and torch.equal(w0, w1)
+
+
+def test_the_tensor_core_head_is_the_exact_loss_of_bf16_rounded_inputs():
+    """``TENSOR_CORES`` (CUDA's default under bf16 autocast): the three products take bf16 inputs and give fp32
+    results accumulated in fp32. Its loss is the fp64 loss of the bf16-rounded inputs (to fp32 rounding: no logit
+    is rounded to bf16), and its gradients, made from the logits' gradient rounded to bf16, are within bf16
+    tolerance of the fp64 ones; both within bf16 tolerance of the fp64 loss and gradients of the fp32 inputs. On the
+    CPU the products are the same values, made from the rounded inputs upcast."""
+    from leansft.core.model.loss import PLAIN, TENSOR_CORES, head_precision_for
+
+    assert head_precision_for(torch.device("cpu"), torch.bfloat16) is PLAIN  # the CPU keeps its products
+    assert head_precision_for(torch.device("cuda"), torch.bfloat16) is TENSOR_CORES
+    assert head_precision_for(torch.device("cuda"), None) is PLAIN  # an fp32 run stays fp32
+    emb, ids, proj, labels, weight = setup(T=96, H=32, V=503)
+    hidden = (emb[ids] @ proj).detach().requires_grad_()
+    weight = weight.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as a run computes it: inside autocast
+        loss, _ = chunked_loss(hidden, weight, labels, 40, softcap=30.0, precision=TENSOR_CORES)
+    loss.backward()
+    assert loss.dtype == hidden.grad.dtype == weight.grad.dtype == torch.float32
+    rounded = [x.detach().bfloat16().double().requires_grad_() for x in (hidden, weight)]
+    ref, _ = full_logits_loss(*rounded, labels, softcap=30.0)
+    ref.backward()
+    assert float(loss) == pytest.approx(float(ref), rel=1e-6)
+    for got, want in ((hidden.grad, rounded[0].grad), (weight.grad, rounded[1].grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 5e-3
+    exact = [x.detach().double().requires_grad_() for x in (hidden, weight)]
+    fp64, _ = full_logits_loss(*exact, labels, softcap=30.0)
+    fp64.backward()
+    assert float(loss) == pytest.approx(float(fp64), rel=1e-2)  # bf16 inputs: within bf16 tolerance
+    for got, want in ((hidden.grad, exact[0].grad), (weight.grad, exact[1].grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 2e-2

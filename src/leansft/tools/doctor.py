@@ -28,7 +28,7 @@ from leansft.core.metrics.memtrack import TensorMemoryTracker
 from leansft.core.model.attention import use_plain_attention
 from leansft.core.model.bf16_base import holds_bf16_base
 from leansft.core.model.forward import LossModule
-from leansft.core.model.loss import normalise
+from leansft.core.model.loss import PLAIN, HeadPrecision, normalise
 from leansft.core.model.verify import (
     check_position_table,
     check_vocabulary,
@@ -41,6 +41,7 @@ from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
     build_model,
+    head_precision,
     model_location,
     pick_device,
     seed_everything,
@@ -101,14 +102,15 @@ def check_template(tok, template, data, report: dict) -> Check:
                  f"{zero} examples had zero target tokens (dropped)" + "".join(per_source), numbers)
 
 
-def check_isolation_and_loss(cfg: RunConfig, model, data, pad: int) -> tuple[list[Check], str | None]:
+def check_isolation_and_loss(cfg: RunConfig, model, data, pad: int,
+                             precision: HeadPrecision = PLAIN) -> tuple[list[Check], str | None]:
     """The run's forward and loss against the plain Hugging Face model (``leansft.core.model.verify``): the
     same check train runs before step 1, reported with its numbers; and the batching strategy train takes
     from it (the configured one, ``sorted`` as its fallback, or None where train refuses)."""
     packed = cfg.batching.strategy in PACKED_STRATEGIES
     v = verify_model(model, probe_segments(data, model.get_input_embeddings().weight.shape[0]),
                      ("packed", "padded") if packed else ("padded",), pad,
-                     cfg.batching.tokens_per_micro_batch, cfg.data.max_length)
+                     cfg.batching.tokens_per_micro_batch, cfg.data.max_length, precision)
     try:
         strategy = choose_strategy(v, cfg.batching.strategy, cfg.training.verify)
     except LeanSFTError:
@@ -211,7 +213,8 @@ def check_normalisation(model, data, device, packed: bool, pad: int) -> Check:
 
 def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> list[Check]:
 
-    module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend)
+    module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend,
+                        precision=head_precision(cfg, device, amp))
     plan, groups = batcher.epoch_plan(0)
     batch = batcher.collate(plan, groups[0]).to(device)
     est = estimate_memory(ModelShape.from_config(model.config), batch.real_tokens, method=cfg.training.method,
@@ -277,7 +280,7 @@ def run_checks(cfg: RunConfig) -> list[Check]:
         except LeanSFTError as err:  # the model cannot even embed this data: nothing else can run
             return checks + [Check(name, "FAIL", str(err), {}, err.hint)]
     with phase("doctor: isolation and loss against the plain model"):
-        found, strategy = check_isolation_and_loss(cfg, model, sample, pad_id(tok))
+        found, strategy = check_isolation_and_loss(cfg, model, sample, pad_id(tok), head_precision(cfg, device, amp))
     checks += found
     if strategy is None:  # train refuses this model before step 1: nothing further to judge
         return checks

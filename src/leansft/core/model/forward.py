@@ -41,7 +41,7 @@ def loss_of(model, batch, hidden: torch.Tensor, chunk_size: int, backend: str = 
         if bias is not None or head.scale != 1.0 or head.softcap is not None:
             raise ConfigError("training.loss_backend 'liger' has no output bias, logit scale or soft-capping, which "
                               "this model uses", field="training.loss_backend", hint="use loss_backend: chunked")
-        return liger_loss(hidden, weight, batch.labels, batch.host_target_index())
+        return liger_loss(hidden, weight, batch.labels, batch.host_target_index(), precision.matmul_dtype)
     return chunked_loss(hidden, weight, batch.labels, chunk_size, head.softcap, bias, head.scale, batch.weights,
                         target_index=batch.host_target_index(), precision=precision)
 

@@ -12,6 +12,7 @@ extra memory is one chunk's fp32 logits (plus the weight gradient that training 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,14 +26,63 @@ from leansft.core.errors import ConfigError
 class HeadPrecision:
     """How the head's matmuls run, where a device wants other than the plain rule (fp32 logits from the ambient
     autocast's product, gradient products in fp32 for fp32 inputs, else in the weight's dtype). ``context``: entered
-    around the whole loss; ``grad_dtype``: the dtype of the two gradient products (None: the plain rule). The only
-    non-plain policy is the CPU's opt-in bf16 one (``core/cpu/bf16_head.py``)."""
+    around the whole loss; ``grad_dtype``: the dtype of the two gradient products (None: the plain rule);
+    ``matmul_dtype``: all three products take their inputs in this dtype and give fp32 results (tensor cores:
+    bf16 in, fp32 accumulated and out; ``TENSOR_CORES``). The CPU's opt-in bf16 policy is in
+    ``core/cpu/bf16_head.py``."""
 
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     grad_dtype: torch.dtype | None = None
+    matmul_dtype: torch.dtype | None = None
 
 
 PLAIN = HeadPrecision()
+# CUDA under bf16 autocast: the head's three products (logits, hidden-state and weight gradients) on the tensor
+# cores, bf16 inputs with fp32 accumulation and fp32 results; log-sum-exp, the loss and the weight gradient's sum
+# over chunks stay fp32. With fp32 master weights the hidden states and the weight arrive fp32, and the plain rule
+# multiplied them in true fp32 off the tensor cores: about half of a 0.5B model's step at a 151k vocabulary.
+TENSOR_CORES = HeadPrecision(matmul_dtype=torch.bfloat16)
+
+
+def head_precision_for(device: torch.device, amp: torch.dtype | None) -> HeadPrecision:
+    """The head's policy on ``device`` under autocast ``amp`` by default: ``TENSOR_CORES`` on CUDA under bf16
+    autocast, else ``PLAIN`` (an fp32 run stays fp32; the CPU keeps its plain products unless ``cpu.bf16_head``)."""
+    return TENSOR_CORES if device.type == "cuda" and amp == torch.bfloat16 else PLAIN
+
+
+@functools.cache
+def _fp32_out_products(device_type: str) -> bool:
+    """Whether this torch multiplies low-precision inputs into fp32 results on ``device_type`` (``mm`` with
+    ``out_dtype``: cuBLAS on CUDA); the CPU has no such kernel, where ``_mm32`` computes the same values from the
+    rounded inputs."""
+    if device_type != "cuda":
+        return False
+    try:
+        a = torch.ones(16, 16, device=device_type, dtype=torch.bfloat16)
+        c = torch.zeros(16, 16, device=device_type)
+        torch.mm(a, a, out_dtype=torch.float32)
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+        return True
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of low-precision inputs as an fp32 result, accumulated in fp32 (what tensor cores do); off CUDA
+    the same values from the inputs upcast (a product of two bf16 numbers is exact in fp32)."""
+    if _fp32_out_products(a.device.type):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    if a.device.type == "cuda":  # an older torch: bf16 result, then fp32
+        return torch.mm(a, b).float()
+    return torch.mm(a.float(), b.float())
+
+
+def _addmm32_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``c += a @ b`` with ``c`` fp32 and ``a``, ``b`` low precision, accumulated in fp32 in place."""
+    if _fp32_out_products(a.device.type):
+        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+    else:
+        c.add_(_mm32(a, b))
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -45,7 +95,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size: int, scale: float, softcap: float | None,
-                token_weights=None, grad_dtype: torch.dtype | None = None):
+                token_weights=None, grad_dtype: torch.dtype | None = None, matmul_dtype: torch.dtype | None = None):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
         # The first chunk writes the weight and bias gradients, later ones add to them: no zero-filled
@@ -53,14 +103,20 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.empty(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        w_low = weight.to(grad_dtype) if grad_dtype is not None and need_h else None  # once, not per chunk
+        low = matmul_dtype  # every product from inputs in this dtype, fp32 results (``TENSOR_CORES``)
+        w_low = weight.to(low) if low is not None else (
+            weight.to(grad_dtype) if grad_dtype is not None and need_h else None)  # once, not per chunk
         # fp32 inputs: fp32 products (an ``out=`` product is outside autocast) into one logits buffer for every
         # chunk; otherwise the ambient autocast's product, made fp32.
-        fp32 = hidden.dtype == torch.float32 and weight.dtype == torch.float32
+        fp32 = low is None and hidden.dtype == torch.float32 and weight.dtype == torch.float32
         buf = torch.empty((min(chunk_size, hidden.shape[0]), weight.shape[0]), device=hidden.device) if fp32 else None
         for s in range(0, hidden.shape[0], chunk_size):
             h, t = hidden[s : s + chunk_size], targets[s : s + chunk_size]
-            logits = torch.mm(h, weight.t(), out=buf[: len(h)]) if fp32 else (h @ weight.t()).float()
+            h_low = h.to(low) if low is not None else None
+            if low is not None:
+                logits = _mm32(h_low, w_low.t())
+            else:
+                logits = torch.mm(h, weight.t(), out=buf[: len(h)]) if fp32 else (h @ weight.t()).float()
             if bias is not None:
                 logits += bias.float()
             if scale != 1.0:
@@ -85,19 +141,28 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 g *= 1.0 - capped * capped
             if scale != 1.0:
                 g *= scale
-            if need_h and grad_dtype is not None:
-                grad_h[s : s + chunk_size] = torch.mm(g.to(grad_dtype), w_low)
-            elif need_h and fp32:
-                torch.mm(g, weight, out=grad_h[s : s + chunk_size])
-            elif need_h:
-                grad_h[s : s + chunk_size] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w and grad_dtype is not None:  # bf16 product, added into the fp32 gradient
-                part = torch.mm(g.t().to(grad_dtype), h.to(grad_dtype))
-                grad_w.copy_(part) if s == 0 else grad_w.add_(part)
-            elif need_w and s == 0:  # fp32, straight into the gradient (outside autocast)
-                torch.mm(g.t(), h.float(), out=grad_w)
-            elif need_w:
-                grad_w.addmm_(g.t(), h.float())
+            if low is not None:  # both gradient products from one low-precision copy of the chunk's gradient
+                g_low = g.to(low)
+                if need_h:
+                    grad_h[s : s + chunk_size] = _mm32(g_low, w_low)
+                if need_w and s == 0:
+                    grad_w.copy_(_mm32(g_low.t(), h_low))
+                elif need_w:
+                    _addmm32_(grad_w, g_low.t(), h_low)
+            else:
+                if need_h and grad_dtype is not None:
+                    grad_h[s : s + chunk_size] = torch.mm(g.to(grad_dtype), w_low)
+                elif need_h and fp32:
+                    torch.mm(g, weight, out=grad_h[s : s + chunk_size])
+                elif need_h:
+                    grad_h[s : s + chunk_size] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                if need_w and grad_dtype is not None:  # bf16 product, added into the fp32 gradient
+                    part = torch.mm(g.t().to(grad_dtype), h.to(grad_dtype))
+                    grad_w.copy_(part) if s == 0 else grad_w.add_(part)
+                elif need_w and s == 0:  # fp32, straight into the gradient (outside autocast)
+                    torch.mm(g.t(), h.float(), out=grad_w)
+                elif need_w:
+                    grad_w.addmm_(g.t(), h.float())
             if need_b:
                 torch.sum(g, 0, out=grad_b) if s == 0 else grad_b.add_(g.sum(0))
         ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
@@ -113,7 +178,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for need, dtype in zip(ctx.has, ctx.dtypes):
             g = saved.pop(0) if need else None
             grads.append(g.mul_(grad_out.to(g.dtype)).to(dtype) if need else None)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def select_targets(hidden: torch.Tensor, labels: torch.Tensor,
@@ -157,8 +222,11 @@ def chunked_loss(
     if not torch.is_grad_enabled():  # evaluation: no gradient buffers (the weight may still require grad)
         h, weight = h.detach(), weight.detach()
         bias = bias.detach() if bias is not None else None
-    with precision.context():  # the Function's forward computes the gradients too
-        loss = _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap, tw, precision.grad_dtype)
+    amp_off = (torch.autocast(hidden.device.type, enabled=False) if precision.matmul_dtype is not None
+               else contextlib.nullcontext())  # its products say their dtypes themselves
+    with precision.context(), amp_off:  # the Function's forward computes the gradients too
+        loss = _ChunkedLinearCE.apply(h, weight, bias, t, chunk_size, scale, softcap, tw, precision.grad_dtype,
+                                      precision.matmul_dtype)
     return loss, int(t.numel())
 
 
@@ -178,8 +246,11 @@ def full_logits_loss(hidden, weight, labels, softcap: float | None = None, bias=
     return torch.nn.functional.cross_entropy(logits, t, reduction="sum"), int(t.numel())
 
 
-def liger_loss(hidden, weight, labels, target_index: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """Liger Kernel's fused linear cross-entropy (CUDA), summed."""
+def liger_loss(hidden, weight, labels, target_index: torch.Tensor | None = None,
+               low: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
+    """Liger Kernel's fused linear cross-entropy (CUDA), summed. ``low``: the hidden states and the weight in this
+    dtype first (bf16 under bf16 autocast, as a bf16 model hands them to Liger: its products take the dtype of its
+    inputs)."""
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError:
@@ -188,14 +259,24 @@ def liger_loss(hidden, weight, labels, target_index: torch.Tensor | None = None)
     if not hidden.is_cuda:
         raise ConfigError("training.loss_backend 'liger' runs on CUDA only", field="training.loss_backend")
     h, t = select_targets(hidden, labels, target_index)
-    return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, h, t), int(t.numel())
+    if low is not None:
+        h, weight = h.to(low), weight.to(low)
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, h, t).float(), int(t.numel())
 
 
-def normalise(loss_sum: torch.Tensor, step_targets: float, world_size: int = 1) -> torch.Tensor:
+def normalise(loss_sum: torch.Tensor, step_targets: float | torch.Tensor, world_size: int = 1) -> torch.Tensor:
     """Scale a micro-batch's summed loss so that the step's gradient is the token mean over the whole step.
 
     ``step_targets`` is the target-token count of the whole optimizer step (all micro-batches, all ranks),
-    or the sum of the targets' loss weights where messages carry fractional weights.
+    or the sum of the targets' loss weights where messages carry fractional weights: a number, or a device
+    scalar (summed over ranks there, never read by the host). A step without targets divides by 1.
     DDP/FSDP average gradients over ranks; multiplying by ``world_size`` undoes that division.
     """
-    return loss_sum * (world_size / (step_targets or 1.0))
+    return loss_sum * (world_size / nonzero(step_targets))
+
+
+def nonzero(count: float | torch.Tensor) -> float | torch.Tensor:
+    """``count``, or 1 where it is 0 (a step whose tokens carry no loss), without reading a device value."""
+    if torch.is_tensor(count):
+        return torch.where(count == 0, torch.ones_like(count), count)
+    return count or 1.0

@@ -37,6 +37,7 @@ from leansft.core.model.bf16_base import holds_bf16_base
 from leansft.core.model.compile import eager
 from leansft.core.model.forward import hidden_states, loss_of
 from leansft.core.model.head import OutputHead, read_output_head
+from leansft.core.model.loss import PLAIN, HeadPrecision
 
 log = logging.getLogger("leansft")
 
@@ -182,11 +183,11 @@ def _padded_batch(segments: list[np.ndarray], pad: int, device) -> PaddedBatch:
 
 @torch.no_grad()
 def _check(path: str, model, refs, batch, rows_of, logit_tol: float = LOGIT_TOL,
-           loss_tol: float = LOSS_TOL) -> PathCheck:
+           loss_tol: float = LOSS_TOL, precision: HeadPrecision = PLAIN) -> PathCheck:
     head = read_output_head(model)
     try:
         hidden = hidden_states(model, batch)
-        loss = float(loss_of(model, batch, hidden, chunk_size=64)[0])
+        loss = float(loss_of(model, batch, hidden, chunk_size=64, precision=precision)[0])
     except Exception as err:  # noqa: BLE001 - any failure of the run's path is a failed check, with its reason
         return PathCheck(path, False, False, f"{type(err).__name__}: {str(err)[:200]}")
     logit_diff, scale = 0.0, 1.0
@@ -234,14 +235,17 @@ def _check_far(model, segments: list[np.ndarray], ref_logits: torch.Tensor, row_
 
 
 def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("packed", "padded"),
-                 pad_id: int = 0, row_tokens: int = 0, max_length: int | None = None) -> Verification:
+                 pad_id: int = 0, row_tokens: int = 0, max_length: int | None = None,
+                 precision: HeadPrecision = PLAIN) -> Verification:
     """Check each of ``paths`` against the plain model (see the module docstring). ``packed`` needs the
     model's attention set to a packed backend (``use_packed_attention``); ``row_tokens``: the packed
     micro-batch size (the far-in-the-row check runs where it exceeds the two segments), filled with examples of
-    at most ``max_length`` tokens (default: ``row_tokens``)."""
+    at most ``max_length`` tokens (default: ``row_tokens``); ``precision``: the run's head policy (its loss is
+    checked with it; bf16 products with the bf16 tolerances)."""
     device = next(model.parameters()).device
     low_base = holds_bf16_base(model)  # bf16 linear weights: every forward under bf16 autocast, as the run's
-    tols = (HALF_LOGIT_TOL, HALF_LOSS_TOL) if low_base else ()
+    low_head = precision.matmul_dtype is not None or precision.grad_dtype is not None
+    tols = (HALF_LOGIT_TOL, HALF_LOSS_TOL) if low_base or low_head else ()
     was = model.training
     model.eval()
     try:
@@ -261,7 +265,8 @@ def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("p
                         result.checks["packed"] = _check(
                             "packed", model, refs, _packed_batch(segments, device),
                             lambda h: [h[0, a:b] for a, b in zip(starts[:-1], starts[1:])],
-                            *((HALF_LOGIT_TOL, HALF_LOSS_TOL) if half else ()))
+                            *((HALF_LOGIT_TOL, HALF_LOSS_TOL) if half or low_head else (LOGIT_TOL, LOSS_TOL)),
+                            precision=precision)
                         if row_tokens > starts[-1] and result.checks["packed"].ok:
                             _check_far(model, segments, refs[0][0], row_tokens, max_length or row_tokens,
                                        result.checks["packed"], HALF_LOGIT_TOL if half else LOGIT_TOL)
@@ -269,7 +274,8 @@ def verify_model(model, segments: list[np.ndarray], paths: tuple[str, ...] = ("p
                 with plain_attention(model), eager():
                     result.checks["padded"] = _check(
                         "padded", model, refs, _padded_batch(segments, pad_id, device),
-                        lambda h: [h[r, :n] for r, n in enumerate(lens)], *tols)
+                        lambda h: [h[r, :n] for r, n in enumerate(lens)], *(tols or (LOGIT_TOL, LOSS_TOL)),
+                        precision=precision)
     finally:
         model.train(was)
     return result
