@@ -122,7 +122,7 @@ def test_logged_rates_count_the_time_inside_steps_only():
     batch = collate_packed(data, np.array([0, 1]), np.zeros(2, np.int64), data.lengths)
     window = ThroughputWindow(tiny_model("llama"), torch.device("cpu"), None, 1)
     time.sleep(0.2)  # "evaluation" before the first step
-    window.count([batch])
+    window.add(window.count([batch]))
     window.add_time(0.5)
     rec = window.record()
     assert rec["real_tokens_per_s"] == pytest.approx(20 / 0.5)
@@ -174,3 +174,55 @@ def _padded(ids: torch.Tensor, labels: torch.Tensor):
     pos = torch.arange(ids.shape[1])[None].expand_as(ids)
     return PaddedBatch(ids, labels, torch.ones_like(ids), pos, np.arange(len(ids)))
 
+
+
+def _dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """torch's varlen kernel (CUDA only) as dense masked SDPA in traceable ops: the GPU's compiled path on the CPU."""
+    import torch.nn.functional as F
+
+    pos = torch.arange(q.shape[0], device=q.device)
+    example = torch.searchsorted(cu_q.long(), pos, right=True)  # the example of each token (+1)
+    mask = (example[:, None] == example[None, :]) & (pos[:, None] >= pos[None, :])
+    out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None].float() for x in (q, k, v)), attn_mask=mask,
+                                         scale=scale, enable_gqa=enable_gqa)
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+def test_compiled_layers_with_the_gpus_varlen_path_compile_once_for_all_layers(monkeypatch):
+    """The GPU's packed path (torch's varlen kernel, traced inside each compiled layer) compiles one graph for every
+    layer and every batch: nothing a guard sees differs between layers (``chunk_size`` read each layer's
+    ``layer_idx`` and recompiled per layer until dynamo's limit, then ran the rest eagerly), and another batch's
+    lengths are dynamic. Its output is the per-segment SDPA path's."""
+    import numpy as np
+    import torch.nn.attention.varlen as varlen
+    from helpers import tiny_model
+    from test_packing_attention import dataset
+
+    from leansft.core.batching.collate import collate_packed
+    from leansft.core.model import attention
+    from leansft.core.model.compile import compile_counts
+
+    monkeypatch.setattr(varlen, "varlen_attn", _dense_varlen)
+    model = tiny_model("qwen2", num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    data = dataset([list(range(5, 40)), list(range(60, 90)), list(range(100, 135)), list(range(7, 99))])
+    batches = [collate_packed(data, np.array(ex), np.zeros(len(ex), np.int64), data.lengths[ex])
+               for ex in ([0, 1], [2, 3, 1], [3], [1, 0, 2])]
+    attention.use_packed_attention(model, attention.VARLEN)
+    with torch.no_grad():
+        reference = [attention.packed_forward(model, b.to("cpu")) for b in batches]
+    attention.use_packed_attention(model, attention.TORCH_VARLEN)
+    torch._dynamo.reset()
+    for layer in attention.decoder_of(model).layers:
+        layer.compile(backend="eager", dynamic=True)
+    before = compile_counts()
+    with torch.no_grad():
+        for b, ref in zip(batches, reference):
+            out = attention.packed_forward(model, b.to("cpu"))
+            torch.testing.assert_close(out, ref, rtol=0, atol=5e-2)  # the kernel computes in bf16
+            if b is batches[0]:
+                first = compile_counts()
+    after = compile_counts()
+    assert first["frames"] - before["frames"] == 1, (before, first)  # one graph for the four layers
+    assert after == first, (first, after)  # no recompile and no graph break for any later batch
+    assert after["graph_breaks"] == before["graph_breaks"]
+    torch._dynamo.reset()

@@ -205,7 +205,8 @@ def test_neftune_noise_in_training_only_scaled_by_each_examples_length(tiny_run_
     model = tf.AutoModelForCausalLM.from_pretrained(tiny_run_assets["model"])
     emb = model.get_input_embeddings()
     neft = NEFTune(model, alpha=5.0)
-    batch = type("B", (), {"cu_seqlens": torch.tensor([0, 4, 20], dtype=torch.int32)})()  # examples of 4 and 16
+    batch = type("B", (), {"cu_seqlens": torch.tensor([0, 4, 20], dtype=torch.int32),  # examples of 4 and 16
+                           "input_ids": torch.zeros(1, 20, dtype=torch.long)})()
     neft.set_batch(batch)
     ids = torch.randint(0, emb.num_embeddings, (1, 20))
     clean = torch.nn.functional.embedding(ids, emb.weight)

@@ -118,14 +118,32 @@ def segment_sizes(cu: torch.Tensor) -> list[int]:
     return sizes if sizes is not None else torch.diff(cu).tolist()
 
 
-def chunk_size(module) -> int | None:
-    """Llama 4's chunked-attention layers attend within chunks of ``attention_chunk_size`` tokens counted from the
-    sequence's start (transformers' chunked mask, which the packed backends do not get); None for other layers."""
+_CHUNK = "_leansft_chunk"  # each attention module's chunk size (or None), set once by ``use_packed_attention``
+
+
+def _chunk_of(module) -> int | None:
     cfg = getattr(module, "config", None)
     types, idx = getattr(cfg, "layer_types", None), getattr(module, "layer_idx", None)
     if not types or idx is None or idx >= len(types) or types[idx] != "chunked_attention":
         return None
     return int(cfg.attention_chunk_size)
+
+
+def chunk_size(module) -> int | None:
+    """Llama 4's chunked-attention layers attend within chunks of ``attention_chunk_size`` tokens counted from the
+    sequence's start (transformers' chunked mask, which the packed backends do not get); None for other layers.
+    Read from the attribute ``use_packed_attention`` set, not from ``layer_idx``: compiled layers would guard on each
+    layer's own index and recompile for every layer (past dynamo's limit, the rest ran eagerly)."""
+    marked = getattr(module, _CHUNK, ...)
+    return _chunk_of(module) if marked is ... else marked
+
+
+def mark_chunks(model) -> None:
+    """Give every attention module its chunk size (``chunk_size``), the same None on all of them but Llama 4's
+    chunked layers."""
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and getattr(m, "config", None) is not None:
+            setattr(m, _CHUNK, _chunk_of(m))
 
 
 def layer_sizes(module, sizes: list[int]) -> list[int]:
@@ -185,9 +203,9 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     q, k, v = (x[0].transpose(0, 1).to(half) for x in (query, key, value))  # [T, H, D]
     gqa = {}
     if q.shape[1] != k.shape[1]:  # grouped key/value heads: query head h reads key/value head h // n_rep
-        if "enable_gqa" in _torch_varlen_options():
+        if _GQA["mode"] == "flag":
             gqa["enable_gqa"] = True
-        else:  # torch 2.11's varlen_attn has no enable_gqa: the heads repeated as transformers' repeat_kv does
+        elif _GQA["mode"] == "repeat":  # a kernel that takes no fewer key/value heads: repeated as repeat_kv does
             n_rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
     max_len = int(kwargs.get("max_length_q") or int(torch.diff(cu).max()))
@@ -257,6 +275,46 @@ def flex_varlen_attention(module, query, key, value, attention_mask, scaling=Non
         out, lse = out[0], out[1].lse
         out = out * torch.sigmoid(lse - sinks.reshape(1, -1, 1).to(lse.dtype)).unsqueeze(-1).to(out.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+# How torch's varlen kernel gets grouped key/value heads: "flag" (``enable_gqa``, torch 2.13), "native" (as they are:
+# flash attention groups them itself where the wrapper passes them on), or "repeat" (repeated to the query heads).
+# Decided once, eagerly, by ``gqa_mode`` (compiled code reads it as a constant).
+_GQA = {"mode": "repeat"}
+
+
+def gqa_mode(device: torch.device) -> str:
+    """How this torch's ``varlen_attn`` takes fewer key/value heads than query heads on ``device``: its
+    ``enable_gqa`` flag where it has one; else a probe (forward and backward of a small case, against the heads
+    repeated) decides whether it takes them as they are; else they are repeated (6-7x the key/value bytes at
+    Qwen2.5's 14/2 and 12/2 heads)."""
+    if "enable_gqa" in _torch_varlen_options():
+        return "flag"
+    if device.type != "cuda" or not _has_torch_varlen():
+        return "repeat"
+    return "native" if _takes_grouped_heads(device) else "repeat"
+
+
+@functools.cache
+def _takes_grouped_heads(device: torch.device) -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(24, 4, 64, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k, v = (torch.randn(24, 2, 64, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+            for _ in range(2))
+    cu = torch.tensor([0, 10, 24], device=device, dtype=torch.int32)
+    try:
+        grouped = varlen_attn(q, k, v, cu, cu, 14, 14, window_size=(-1, 0))
+        grouped.float().square().sum().backward()
+        dq = q.grad.clone()
+        q.grad = None
+        full = varlen_attn(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu, cu, 14, 14,
+                           window_size=(-1, 0))
+        full.float().square().sum().backward()
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return bool(torch.allclose(grouped, full, atol=2e-2) and torch.allclose(dq, q.grad, atol=5e-2))
 
 
 def register() -> None:
@@ -336,8 +394,13 @@ def use_packed_attention(model, backend: str) -> None:
                                                                            or ()):
         backend = TORCH_VARLEN if _has_torch_varlen() else VARLEN  # flash takes one set of boundaries for all layers
         log.info("chunked-attention layers need their own boundaries: %s instead of flash-attn", backend)
+    mark_chunks(model)
     set_attention(model, backend)
-    log.info("packed attention backend: %s", backend)
+    extra = ""
+    if backend == TORCH_VARLEN:
+        _GQA["mode"] = gqa_mode(next(model.parameters()).device)
+        extra = f" (grouped key/value heads: {_GQA['mode']})"
+    log.info("packed attention backend: %s%s", backend, extra)
 
 
 def use_plain_attention(model) -> None:

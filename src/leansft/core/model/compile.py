@@ -63,6 +63,13 @@ def compile_layers(model, fall_back: bool = False) -> int:
     return len(layers)
 
 
+def compile_counts() -> dict[str, int]:
+    """dynamo's counts so far in this process: ``frames`` compiled (a recompile adds one) and ``graph_breaks``.
+    Their growth after the warm-up steps is what a benchmark reports: 0 is the bar."""
+    counters = torch._dynamo.utils.counters
+    return {"frames": int(counters["frames"]["total"]), "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
 def eager() -> contextlib.AbstractContextManager:
     """Run compiled modules eagerly inside the block: the plain model's references, generation."""
     return torch.compiler.set_stance("force_eager")

@@ -21,8 +21,8 @@ class NEFTune:
         """Per-token example lengths of the batch about to run (packed: from cu_seqlens; padded: real lengths)."""
         cu = getattr(batch, "cu_seqlens", None)
         if cu is not None:
-            pieces = torch.diff(cu.long())
-            self.lengths = torch.repeat_interleave(pieces, pieces).unsqueeze(0)
+            pieces = torch.diff(cu.long())  # its total given: the host need not read the device's sum back
+            self.lengths = torch.repeat_interleave(pieces, pieces, output_size=batch.input_ids.shape[-1]).unsqueeze(0)
         else:
             mask = batch.attention_mask
             self.lengths = mask.sum(dim=1, keepdim=True).expand_as(mask)
