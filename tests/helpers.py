@@ -149,9 +149,9 @@ def after_each_step(monkeypatch, fn) -> None:
 
     real = recipe.train_step
 
-    def wrapped(engine, batches, step_targets, step, stop=None):
-        out = real(engine, batches, step_targets, step, stop)
-        fn(step, out[0])
+    def wrapped(engine, batches, counts, step, stop=None):
+        out = real(engine, batches, counts, step, stop)
+        fn(step, out.loss)
         return out
 
     monkeypatch.setattr(recipe, "train_step", wrapped)

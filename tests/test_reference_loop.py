@@ -26,15 +26,15 @@ def record_steps(monkeypatch) -> dict:
     seen: dict = {"steps": []}
     real = recipe.train_step
 
-    def spy(engine, batches, step_targets, step, stop=None):
+    def spy(engine, batches, counts, step, stop=None):
         model = engine.loss_module.model
         if not seen["steps"]:
             seen["before"] = {n: p.detach().clone() for n, p in trainable_parameters(model)}
         rows = [examples_of(b) for b in batches]
-        loss, norm, lr, stopping = real(engine, batches, step_targets, step, stop)
-        seen["steps"].append((rows, step_targets, loss, norm, lr))
+        out = real(engine, batches, counts, step, stop)
+        seen["steps"].append((rows, out.counts.weight, out.loss, out.grad_norm, out.lr))
         seen["after"] = {n: p.detach().clone() for n, p in trainable_parameters(model)}
-        return loss, norm, lr, stopping
+        return out
 
     monkeypatch.setattr(recipe, "train_step", spy)
     return seen

@@ -326,12 +326,12 @@ def test_every_method_trains_in_training_mode(tmp_path, tiny_run_assets, monkeyp
 
     real, seen = recipe.train_step, []
 
-    def spy(engine, batches, step_targets, step, stop=None):
+    def spy(engine, batches, counts, step, stop=None):
         layers = [m for m in engine.loss_module.modules() if type(m).__name__.endswith("DecoderLayer")]
         calls = [0]
         hook = layers[0].input_layernorm.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
         try:
-            out = real(engine, batches, step_targets, step, stop)
+            out = real(engine, batches, counts, step, stop)
         finally:
             hook.remove()
         seen.append(({m.training for m in engine.loss_module.modules()}, calls[0] / len(batches)))

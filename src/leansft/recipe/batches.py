@@ -6,6 +6,8 @@ and a resumed run regenerates exactly the same sequence.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -85,3 +87,60 @@ class Batcher:
             mine = self._mine(plan, groups[index : index + per_step])
             index += per_step
             yield [self.collate(plan, g) for g in mine], Position(epoch, index)
+
+
+class Prefetched:
+    """A step iterator (``Batcher.steps``) run ``depth`` steps ahead on a background thread, so collation (gathering
+    tokens, laying rows out as flat sequences) happens while the device computes the step before, not between
+    steps; with ``pin`` (a CUDA run) each batch is put in page-locked memory there too, so its copy to the device
+    runs without the host waiting. Items come out in order, with their positions; an error on the thread comes out
+    of ``next``. ``close`` (or leaving the ``with`` block) stops the thread."""
+
+    _END = object()
+
+    def __init__(self, steps: Iterator, depth: int = 2, pin: bool = False) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(steps, pin), name="leansft-batches", daemon=True)
+        self._thread.start()
+
+    def _fill(self, steps: Iterator, pin: bool) -> None:
+        try:
+            for batches, position in steps:
+                item = ([b.pin_memory() for b in batches] if pin else batches, position)
+                if not self._put(item):
+                    return
+        except BaseException as err:  # noqa: BLE001 - handed to the training loop, which raises it
+            self._put(err)
+            return
+        self._put(self._END)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Prefetched:
+        return self
+
+    def __next__(self):
+        item = self._queue.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> Prefetched:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -31,6 +31,7 @@ from leansft.core.model.loading import (
     resolve_model_path,
     trainable_parameters,
 )
+from leansft.core.model.loss import PLAIN, HeadPrecision, head_precision_for
 from leansft.core.model.qlora import load_quantised
 from leansft.core.model.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.core.paths import cache_dir
@@ -151,9 +152,16 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
     return model, backend
 
 
-def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int) -> str:
-    """Check the run's forward and loss against the plain model before step 1 (``leansft.core.model.verify``);
-    return the batching strategy to train with (the configured one, or ``sorted`` as the exact fallback,
+def head_precision(cfg: RunConfig, device: torch.device, amp: torch.dtype | None) -> HeadPrecision:
+    """The loss head's matmul policy: the CPU's opt-in one (``cpu.bf16_head``) on the CPU, else the device's
+    default (``TENSOR_CORES`` on CUDA under bf16 autocast)."""
+    return cpu.head_precision(cfg.cpu, device, amp) if device.type == "cpu" else head_precision_for(device, amp)
+
+
+def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int,
+                      precision: HeadPrecision = PLAIN) -> str:
+    """Check the run's forward and loss (with the head's ``precision``) against the plain model before step 1
+    (``leansft.core.model.verify``); return the batching strategy to train with (the configured one, or ``sorted`` as the exact fallback,
     logged), or raise a clear error."""
     check_vocabulary(model, data)
     strategy = cfg.batching.strategy
@@ -165,7 +173,7 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int) -
     t0 = time.perf_counter()
     v = verify_model(model, probe_segments(data, model.get_input_embeddings().weight.shape[0]),
                      ("packed", "padded") if packed else ("padded",), pad,
-                     cfg.batching.tokens_per_micro_batch, cfg.data.max_length)
+                     cfg.batching.tokens_per_micro_batch, cfg.data.max_length, precision)
     log.info("verified in %.1f s: %s", time.perf_counter() - t0, v.summary())
     chosen = choose_strategy(v, strategy, cfg.training.verify)
     if chosen != strategy:

@@ -1,8 +1,9 @@
 """Honest throughput: the step's global token counts and a window that turns them into rates.
 
-Counts are summed over ranks (one all-reduce per step, before the forward, since they are known from
-the batches alone), so tokens/s, padding share and MFU are the whole job's, not one rank's times the
-world size.
+Each rank counts its micro-batches on the host (``ThroughputWindow.count``: known from the batches alone); the
+training step sums them over ranks on the device and reads them back with its loss, once (``train_step``), so
+tokens/s, padding share and MFU are the whole job's, not one rank's times the world size, and counting costs the
+step no wait of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leansft.core import distributed
 from leansft.core.metrics.flops import attended_squares, device_peak_flops, peak_memory_bytes, step_flops, token_flops
 
 
@@ -31,6 +31,16 @@ class StepCounts:
         for k in self.__dataclass_fields__:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         return self
+
+    FIELDS = ("targets", "weight", "real", "slots", "examples", "flops")
+
+    def as_list(self) -> list[float]:
+        return [float(getattr(self, k)) for k in self.FIELDS]
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> StepCounts:
+        t, w, r, s, e, f = values
+        return cls(int(round(t)), w, int(round(r)), int(round(s)), int(round(e)), f)
 
 
 class ThroughputWindow:
@@ -58,21 +68,17 @@ class ThroughputWindow:
         self.seconds += seconds
 
     def count(self, batches) -> StepCounts:
-        """Global counts of one step (this rank's micro-batches, summed over ranks); added to the window."""
-        local = [0, 0, 0, 0, 0.0, 0.0]
+        """This rank's counts of one step's micro-batches, on the host (``train_step`` sums them over ranks)."""
+        c = StepCounts()
         for b in batches:
-            local[0] += b.target_tokens
-            local[1] += b.real_tokens
-            local[2] += int(b.input_ids.numel())
-            local[3] += b.examples_begun
-            local[4] += step_flops(self.body_flops, self.layers, self.hidden, b.real_tokens, attended_squares(b),
-                                   self.head_flops, b.target_tokens)
-            local[5] += b.target_weight
-        total = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device), self.device)
-        t, r, s, e, f, w = total.tolist()
-        step = StepCounts(int(t), w, int(r), int(s), int(e), f)
+            c += StepCounts(b.target_tokens, b.target_weight, b.real_tokens, int(b.input_ids.numel()),
+                            b.examples_begun, step_flops(self.body_flops, self.layers, self.hidden, b.real_tokens,
+                                                         attended_squares(b), self.head_flops, b.target_tokens))
+        return c
+
+    def add(self, step: StepCounts) -> None:
+        """A step's global counts (``train_step``'s), added to the window."""
         self.counts += step
-        return step
 
     def record(self) -> dict:
         dt = max(self.seconds, 1e-9)

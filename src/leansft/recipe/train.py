@@ -22,7 +22,7 @@ import torch
 import yaml
 from torch.profiler import record_function
 
-from leansft.core import cpu, distributed
+from leansft.core import distributed
 from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
 from leansft.core.data.prepare import PreparedData, prepare_data
 from leansft.core.data.tokenizer import pad_id
@@ -33,19 +33,20 @@ from leansft.core.model.bf16_base import holds_bf16_base
 from leansft.core.model.forward import LossModule
 from leansft.core.model.grad_clip import clip_gradients
 from leansft.core.model.loading import merged_plain_model, trainable_parameters
-from leansft.core.model.loss import normalise
+from leansft.core.model.loss import nonzero, normalise
 from leansft.core.model.neftune import NEFTune
 from leansft.core.model.qlora import dequantised_base
 from leansft.core.model.verify import check_position_table
 from leansft.core.paths import cache_dir
 from leansft.core.progress import phase, plural
-from leansft.recipe.batches import Batcher
+from leansft.recipe.batches import Batcher, Prefetched
 from leansft.recipe.builders import (
     autocast_dtype,
     build_model,
     build_optimizer,
     build_scheduler,
     count_steps,
+    head_precision,
     model_location,
     pick_device,
     seed_everything,
@@ -60,7 +61,7 @@ from leansft.recipe.model_card import write_model_card
 from leansft.recipe.progress import ProgressBar
 from leansft.recipe.report import read_jsonl, write_report
 from leansft.recipe.signals import StopAnywhere, StopFlag, Stopped
-from leansft.recipe.throughput import RunTotals, ThroughputWindow
+from leansft.recipe.throughput import RunTotals, StepCounts, ThroughputWindow
 from leansft.recipe.trackers import Trackers
 
 log = logging.getLogger("leansft")
@@ -89,16 +90,33 @@ def build_engine(cfg: RunConfig, model, loss_module, total_steps: int, device: t
                   [p for _, p in trainable_parameters(model)], device, amp, cfg.training.max_grad_norm, offload, world)
 
 
-def train_step(engine: Engine, batches: list, step_targets: float, step: int,
-               stop: StopFlag | None = None) -> tuple[float, float, float, bool]:
-    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, lr, stop).
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    stop: bool
+    counts: StepCounts  # the step's counts over every rank
 
-    Each micro-batch's summed loss is divided by the step's global target count (the sum of loss weights
-    where messages are weighted) before backward, so the gradient is the token mean over the whole step,
-    whatever the accumulation or world size. ``stop`` is true when any rank had a stop signal by the loss's
-    all-reduce: every rank gets the same answer at the same step (a rank stopping alone would leave the
-    others waiting in a collective)."""
+
+def train_step(engine: Engine, batches: list, counts: StepCounts, step: int,
+               stop: StopFlag | None = None) -> StepResult:
+    """One optimizer step over this rank's micro-batches, whose counts (``ThroughputWindow.count``) are ``counts``.
+
+    Each micro-batch's summed loss is divided by the step's global target count (the sum of loss weights where
+    messages are weighted) before backward, so the gradient is the token mean over the whole step, whatever the
+    accumulation or world size. Over several ranks that count is summed on the device and divides there: the host
+    waits for nothing before the forward. The host reads the step back once (loss, gradient norm, stop requests,
+    counts): on CUDA after the update is queued, with a non-finite loss or gradient norm making the fused AdamW skip
+    the update on the device (``found_inf``, as GradScaler uses it), so the device runs on while the host reads;
+    elsewhere before the update. ``stop`` is true when any rank had a stop signal: every rank gets the same answer at
+    the same step (a rank stopping alone would leave the others waiting in a collective)."""
     e = engine
+    summed = None  # the counts over all ranks, on the device
+    if e.world > 1:
+        summed = distributed.all_reduce_sum(torch.tensor(counts.as_list(), dtype=torch.float64, device=e.device),
+                                            e.device)
+    targets = counts.weight if summed is None else summed[1].float()
     loss_total = torch.zeros((), device=e.device)
     for i, b in enumerate(batches):
         sync = distributed.no_sync(e.loss_module) if i < len(batches) - 1 else contextlib.nullcontext()
@@ -106,25 +124,37 @@ def train_step(engine: Engine, batches: list, step_targets: float, step: int,
             with record_function("forward+loss"):
                 loss_sum = e.loss_module(b.to(e.device))
             with record_function("backward"):
-                normalise(loss_sum, step_targets, e.world).backward()
+                normalise(loss_sum, targets, e.world).backward()
         loss_total += loss_sum.detach()
     with record_function("clip"):
         norm = clip_gradients(e.params, e.max_grad_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-    # The step's one host sync: loss, stop request and gradient norm together, before the update is applied.
     requested = torch.tensor(float(stop is not None and stop.requested), device=e.device)
     loss_sum, stops = distributed.all_reduce_sum(torch.stack([loss_total, requested]), e.device)
-    loss, grad_norm, stops = torch.stack([loss_sum / (step_targets or 1.0), norm.to(e.device, torch.float32),
-                                          stops]).tolist()
-    if not math.isfinite(loss):
-        raise LeanSFTError(f"loss is {loss} at step {step}; stopping",
-                           hint="lower the learning rate, check the data of this step, or use fp32")
+    loss = loss_sum / nonzero(targets)
+    figures = torch.stack([loss, norm.to(e.device, torch.float32), stops]).double()
+    figures = figures if summed is None else torch.cat([figures, summed])
     lr = e.scheduler.get_last_lr()[0]
-    with record_function("optimizer"):
-        e.optimizer.step()
-        e.scheduler.step()
-        e.optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm, lr, stops > 0
+    ahead = e.device.type == "cuda" and bool(e.optimizer.defaults.get("fused"))
+    if ahead:  # the update queued first, skipped on the device where the step is not finite
+        e.optimizer.found_inf = (~torch.isfinite(torch.stack([loss, norm.to(loss.device, loss.dtype)]))).any().float()
+        try:
+            with record_function("optimizer"):
+                e.optimizer.step()
+        finally:
+            del e.optimizer.found_inf
+    with record_function("read back"):
+        values = figures.tolist()  # the step's one host sync
+    loss, grad_norm, stops = values[:3]
+    if not math.isfinite(loss) or (ahead and not math.isfinite(grad_norm)):
+        raise LeanSFTError(f"loss is {loss} at step {step} (gradient norm {grad_norm}); stopping",
+                           hint="lower the learning rate, check the data of this step, or use fp32")
+    if not ahead:
+        with record_function("optimizer"):
+            e.optimizer.step()
+    e.scheduler.step()
+    e.optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, grad_norm, lr, stops > 0, counts if summed is None else StepCounts.from_list(values[3:]))
 
 
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
@@ -160,15 +190,16 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
     model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, model_path)
     check_position_table(model, data.longest(cfg.data.max_length))
-    cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
     amp = autocast_dtype(cfg.training.precision, device)
+    precision = head_precision(cfg, device, amp)
+    cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer), precision)
     store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad_id(data.tokenizer), device, amp)
     batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), cfg.training.seed,
                       rank, world)
     total_steps = count_steps(cfg, batcher)
     neftune = NEFTune(model, cfg.training.neftune_noise_alpha) if cfg.training.neftune_noise_alpha else None
     loss_module = distributed.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune,
-                                              cpu.head_precision(cfg.cpu, device, amp)),
+                                              precision),
                                    cfg.distributed.strategy, device, mixed_precision=amp is not None)
     sharded = world > 1 and cfg.distributed.strategy == "fsdp"
     engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
@@ -188,26 +219,28 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
              f"{sum(p.numel() for p in engine.params):,}",
              f", {cfg.distributed.strategy.upper()} over {world} ranks" if world > 1 else ""),
     last = log_record(metrics, evaluator, None, 0, evaluator.after_step(0, total_steps) if state.step == 0 else None)
-    steps = batcher.steps(state.position, cfg.batching.gradient_accumulation)
+    steps = Prefetched(batcher.steps(state.position, cfg.batching.gradient_accumulation), depth=2,
+                       pin=device.type == "cuda")
     stopped = False
-    with StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) as progress:
+    with steps, StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) as progress:
         while state.step < total_steps and not evaluator.should_stop:
             t0 = time.perf_counter()
             batches, position = next(steps)
-            counts = window.count(batches)
-            loss, grad_norm, lr, signalled = train_step(engine, batches, counts.weight, state.step + 1, stop)
+            done = train_step(engine, batches, window.count(batches), state.step + 1, stop)
             seconds = time.perf_counter() - t0
+            window.add(done.counts)
             window.add_time(seconds)
-            state.advance(position, counts, seconds)
-            guard.check(state.step, loss, grad_norm)
-            progress.update(state.step, loss, lr, counts.real)
+            state.advance(position, done.counts, seconds)
+            guard.check(state.step, done.loss, done.grad_norm)
+            progress.update(state.step, done.loss, done.lr, done.counts.real)
             record = None
             if state.step % cfg.logging.log_every == 0 or state.step == total_steps:
-                record = {"step": state.step, "epoch": position.epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                          **window.record(), "tokens_seen": state.tokens_seen, "examples_seen": state.examples_seen}
+                record = {"step": state.step, "epoch": position.epoch, "loss": done.loss, "lr": done.lr,
+                          "grad_norm": done.grad_norm, **window.record(), "tokens_seen": state.tokens_seen,
+                          "examples_seen": state.examples_seen}
             last = log_record(metrics, evaluator, record, state.step, evaluator.after_step(state.step, total_steps)) \
                 or last
-            stopped = signalled  # as every rank saw it at the step's all-reduce: they stop (and save) together
+            stopped = done.stop  # as every rank saw it at the step's all-reduce: they stop (and save) together
             stopping = stopped or evaluator.should_stop
             state.finished = state.step == total_steps or evaluator.should_stop
             if checkpointer.should_save(state.step, stopping or state.finished):

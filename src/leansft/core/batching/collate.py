@@ -8,6 +8,7 @@ Padded (sorted/padded strategies): ordinary [B, L] tensors with an attention mas
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,8 +46,15 @@ class _Targets:
     def _moved_targets(self, labels: torch.Tensor, device) -> HostRead:
         index = self.host_target_index()
         if index is None:
-            index = torch.nonzero(self.labels[:, 1:].reshape(-1) != IGNORE_INDEX).squeeze(1)
-        return HostRead.of(index.to(device), labels)
+            index = self._target_positions()
+        return HostRead.of(_to(index, device), labels)
+
+    def _target_positions(self) -> torch.Tensor:
+        return torch.nonzero(self.labels[:, 1:].reshape(-1) != IGNORE_INDEX).squeeze(1)
+
+    def _pinned_targets(self, pinned: dict[str, torch.Tensor]) -> dict[str, HostRead]:
+        """The target positions found now (on the batch thread) and pinned, valid for the pinned labels."""
+        return {"target_index": HostRead.of(self._target_positions().pin_memory(), pinned["labels"])}
 
 
 @dataclass
@@ -72,11 +80,19 @@ class PackedBatch(_Targets):
         return int((self.starts == 0).sum())
 
     def to(self, device) -> PackedBatch:
+        """On ``device``, with what the forward and the loss read on the host (segment lengths, target positions)
+        read here, from the host's copy. From pinned memory (``pin_memory``) the copies run without the host
+        waiting for them."""
         sizes = self.host_segment_sizes() or torch.diff(self.cu_seqlens).tolist()
-        labels, cu = self.labels.to(device), self.cu_seqlens.to(device)
-        return PackedBatch(self.input_ids.to(device), labels, self.position_ids.to(device), cu, self.max_seqlen,
-                           self.examples, self.starts, None if self.weights is None else self.weights.to(device),
+        labels, cu = _to(self.labels, device), _to(self.cu_seqlens, device)
+        return PackedBatch(_to(self.input_ids, device), labels, _to(self.position_ids, device), cu, self.max_seqlen,
+                           self.examples, self.starts, None if self.weights is None else _to(self.weights, device),
                            target_index=self._moved_targets(labels, device), segment_sizes=HostRead.of(sizes, cu))
+
+    def pin_memory(self) -> PackedBatch:
+        """The batch in page-locked host memory (for a CUDA run; done ahead, on the batch thread)."""
+        pinned = _pinned(self, "input_ids", "labels", "position_ids", "cu_seqlens", "weights")
+        return dataclasses.replace(self, **pinned, **self._pinned_targets(pinned))
 
     def host_segment_sizes(self) -> list[int] | None:
         """The pieces' lengths read on the host by ``to`` (None where ``cu_seqlens`` is not what they were read
@@ -103,11 +119,25 @@ class PaddedBatch(_Targets):
         return len(self.examples)
 
     def to(self, device) -> PaddedBatch:
-        labels = self.labels.to(device)
-        return PaddedBatch(self.input_ids.to(device), labels, self.attention_mask.to(device),
-                           self.position_ids.to(device), self.examples,
-                           None if self.weights is None else self.weights.to(device),
+        labels = _to(self.labels, device)
+        return PaddedBatch(_to(self.input_ids, device), labels, _to(self.attention_mask, device),
+                           _to(self.position_ids, device), self.examples,
+                           None if self.weights is None else _to(self.weights, device),
                            target_index=self._moved_targets(labels, device))
+
+    def pin_memory(self) -> PaddedBatch:
+        pinned = _pinned(self, "input_ids", "labels", "attention_mask", "position_ids", "weights")
+        return dataclasses.replace(self, **pinned, **self._pinned_targets(pinned))
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``; from pinned memory without the host waiting for the copy (the pinned block is not
+    reused before the copy is done: torch's pinned-memory allocator records the copy's stream)."""
+    return t.to(device, non_blocking=t.is_pinned())
+
+
+def _pinned(batch, *names: str) -> dict[str, torch.Tensor]:
+    return {n: getattr(batch, n).pin_memory() for n in names if getattr(batch, n) is not None}
 
 
 def collate_packed(data: TokenizedDataset, example: np.ndarray, start: np.ndarray, length: np.ndarray) -> PackedBatch:
