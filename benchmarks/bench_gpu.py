@@ -1,132 +1,173 @@
-"""GPU throughput: Qwen2.5-0.5B- and 1.5B-shaped random models, packed micro-batches of 4k and 16k tokens,
-bf16, with and without compiled decoder layers.
+"""The recipe as ``leansft train`` runs it, and its bare loop, on the same batches: real tokens/s, MFU, peak memory
+and recompiles after the warm-up, per shape (benchmarks/gpu_shapes.py), eager and with compiled layers.
 
-Prints real tokens/s, peak memory, MFU and the warm-up time (compilation included) for leansft's packed
-path (varlen attention as ``attention: auto`` picks it, chunked loss, fused AdamW), and the same model
-on padded batches of the same data for the ratio. Full fine-tuning.
+- recipe: ``leansft.recipe.train.train`` on a random model of the shape and synthetic chats (bfd rows of
+  ``--tokens``), timed from the end of step ``--warmup`` to the end of the last step (the device synchronised at
+  both ends): every step's whole loop, with its batches, logging, throughput counting and progress. The end-of-run
+  checkpoint is left out (a benchmark's, not a user's, choice: it is outside the steps either way).
+- bare loop: the same model, loss module, optimizer and batches (collated and pinned beforehand), and nothing else:
+  forward, backward, clip, step; one synchronisation at each end of the timed steps.
 
-    python benchmarks/bench_gpu.py [--steps 10] [--tokens 4096,16384] [--shapes 0.5B,1.5B] [--compile false,true]
+The ratio recipe / bare loop is the recipe's own overhead. MFU: useful FLOPs (core/metrics/flops.py) over the
+datasheet's dense bf16 peak. Each row goes to results.jsonl (part "bench").
 
-``--device cpu --shapes tiny`` runs the same script in miniature on the CPU (a test does), so that a GPU lent
-for minutes does not find it broken by a change elsewhere.
+    python3 benchmarks/bench_gpu.py [--shapes 0.5b,1.5b] [--compile false,true] [--steps 8] [--warmup 3]
+        [--tokens 16384]
+    .venv/bin/python benchmarks/bench_gpu.py --shapes tiny --compile false --steps 2 --warmup 1 --tokens 512
+        (the CPU miniature the test suite runs)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import torch
-import transformers as tf
 
-from leansft.core.batching.collate import collate_padded, collate_rows, micro_batches
-from leansft.core.batching.packing import bfd, padded
-from leansft.core.data.dataset import TokenizedDataset
-from leansft.core.metrics.flops import attended_squares, device_peak_flops, step_flops, token_flops
-from leansft.core.model.attention import choose_backend, use_packed_attention
-from leansft.core.model.compile import compile_layers
-from leansft.core.model.forward import LossModule
-from leansft.tools.stats import lognormal_lengths
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_shapes import SHAPES, make_model, run_overrides, write_chats  # noqa: E402
+from results import emit, sync  # noqa: E402
+from timing import recipe_steps_timed  # noqa: E402
+
+WORK = Path(os.environ.get("LEANSFT_BENCH_WORK", "runs")) / "bench_gpu"  # where its models and data go
 
 
-def synthetic(n: int, vocab: int) -> TokenizedDataset:
-    lengths = lognormal_lengths(n, 450, 0.9, 4096, seed=0)
-    off = np.concatenate([[0], np.cumsum(lengths)])
-    ids = np.random.default_rng(0).integers(0, vocab, off[-1]).astype(np.int32)
-    return TokenizedDataset.from_arrays(ids, ids.copy(), off)
+def peak_gb() -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 1e9, 2) if torch.cuda.is_available() else None
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def run(model, batches, steps, device, params, peak) -> dict:
-    module = LossModule(model, chunk_size=4096)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-    cfg = model.config
-    t0 = time.perf_counter()
-    for b in batches[:2]:  # warm-up (and compilation, when the layers are compiled)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            (module(b.to(device)) / max(b.target_tokens, 1)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    sync(device)
-    warm = time.perf_counter() - t0
-    if device.type == "cuda":
+def reset() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    tokens, flops = 0, 0.0
-    t0 = time.perf_counter()
-    for b in batches[2 : 2 + steps]:
-        b = b.to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            (module(b) / max(b.target_tokens, 1)).backward()
+    torch._dynamo.reset()
+
+
+def run_recipe(over: list[str], warmup: int, steps: int) -> dict:
+    """``train()`` as ``leansft train`` runs it, timed over its steps after the warm-up (``timing.py``)."""
+    from leansft.core.config import load_config
+    from leansft.core.metrics.flops import device_peak_flops
+    from leansft.recipe.train import train
+
+    with recipe_steps_timed(warmup, warmup + steps, skip_checkpoints=True) as seen:
+        train(load_config(None, over + [f"training.max_steps={warmup + steps}"]))
+    peak = device_peak_flops(torch.device("cuda"), None) if torch.cuda.is_available() else None
+    return {"real_tokens_per_s": seen["real_tokens"] / seen["seconds"],
+            "mfu": seen["flops"] / seen["seconds"] / peak if peak else None,
+            "recompiles": seen["recompiles"], "graph_breaks": seen["graph_breaks"]}
+
+
+def run_bare(over: list[str], warmup: int, steps: int) -> dict:
+    """The same model, loss module, optimizer and batches as the recipe's, in a loop of nothing else."""
+    from leansft.core.config import PACKED_STRATEGIES, load_config
+    from leansft.core.data.prepare import prepare_data
+    from leansft.core.data.tokenizer import pad_id
+    from leansft.core.metrics.flops import device_peak_flops
+    from leansft.core.model.compile import compile_counts
+    from leansft.core.model.forward import LossModule
+    from leansft.core.model.grad_clip import clip_gradients
+    from leansft.core.model.loading import trainable_parameters
+    from leansft.core.model.loss import normalise
+    from leansft.recipe.batches import Batcher, Position
+    from leansft.recipe.builders import (
+        autocast_dtype,
+        build_model,
+        build_optimizer,
+        head_precision,
+        model_location,
+        pick_device,
+        seed_everything,
+        store_frozen_base,
+    )
+    from leansft.recipe.throughput import ThroughputWindow
+
+    cfg = load_config(None, over)
+    device = pick_device()
+    seed_everything(cfg.training.seed)
+    path = model_location(cfg)
+    data = prepare_data(cfg.data, cfg.tokenizer or path, seed=cfg.training.seed)
+    pad = pad_id(data.tokenizer)
+    model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, path)
+    amp = autocast_dtype(cfg.training.precision, device)
+    store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad, device, amp)
+    module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend,
+                        precision=head_precision(cfg, device, amp))
+    opt = build_optimizer(cfg, model, device)
+    params = [p for _, p in trainable_parameters(model)]
+    window = ThroughputWindow(model, device, None, 1)
+    source = Batcher(data.train, cfg.batching, cfg.data.max_length, pad, cfg.training.seed).steps(Position(), 1)
+    pin = device.type == "cuda"
+    steps_ = [[b.pin_memory() if pin else b for b in next(source)[0]] for _ in range(warmup + steps)]
+    counts = [window.count(bs) for bs in steps_]
+    for i, batches in enumerate(steps_):
+        if i == warmup:
+            sync()
+            t0, c0 = time.perf_counter(), compile_counts()
+        for b in batches:
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                normalise(module(b.to(device)), counts[i].weight).backward()
+        clip_gradients(params, cfg.training.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        tokens += b.real_tokens
-        flops += step_flops(params[0], cfg.num_hidden_layers, cfg.hidden_size, b.real_tokens, attended_squares(b),
-                            params[1], b.target_tokens)
-    sync(device)
-    dt = time.perf_counter() - t0
-    peak_gb = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
-    return {"tok_s": tokens / dt, "peak_gb": peak_gb,
-            "mfu": (flops / dt) / peak if peak else float("nan"), "warm_s": warm}
-
-
-SHAPES = {  # Qwen2.5-0.5B and -1.5B shapes, random weights; tiny: the CPU miniature
-    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936),
-    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000),
-}
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--tokens", default="4096,16384")
-    ap.add_argument("--shapes", default="0.5B,1.5B")
-    ap.add_argument("--compile", default="false,true")
-    ap.add_argument("--device", default="cuda", help="cpu: the script in miniature (--shapes tiny), no figures")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    assert device.type != "cuda" or torch.cuda.is_available(), "needs a CUDA device"
+    sync()
+    t1, c1 = time.perf_counter(), compile_counts()
+    tokens, flops = sum(c.real for c in counts[warmup:]), sum(c.flops for c in counts[warmup:])
     peak = device_peak_flops(device, None)
-    backend = choose_backend(device)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{name} | bf16 autocast, fused AdamW, chunked loss, packed attention {backend}")
-    print("| model | tokens/micro-batch | batches | compile | real tok/s | peak GB | MFU | first 2 steps s |")
-    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+    return {"real_tokens_per_s": tokens / (t1 - t0), "mfu": flops / (t1 - t0) / peak if peak else None,
+            "recompiles": c1["frames"] - c0["frames"], "graph_breaks": c1["graph_breaks"] - c0["graph_breaks"]}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="0.5b,1.5b")
+    ap.add_argument("--compile", default="false,true")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--examples", type=int, default=2000)
+    ap.add_argument("--bare", default="true", help="false: the recipe alone")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    rows = []
     for shape in args.shapes.split(","):
-        cfg = tf.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, tie_word_embeddings=True)
-        data = synthetic(6000, cfg.vocab_size)
-        plan = bfd(data.lengths, 4096)
+        model = make_model(shape, WORK / f"model-{shape}", "cuda" if cuda else "cpu")
+        data = write_chats(WORK / "chats.jsonl", args.examples)
         for comp in args.compile.split(","):
-            torch.manual_seed(0)
-            model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).train()
-            if comp == "true":
-                compile_layers(model)
-            use_packed_attention(model, backend)
-            params = token_flops(model)
-            for n in map(int, args.tokens.split(",")):
-                packed = [collate_rows(data, plan, g) for g in micro_batches(plan, n)][: args.steps + 2]
-                r = run(model, packed, args.steps, device, params, peak)
-                print(f"| {shape} | {n} | packed | {comp} | {r['tok_s']:,.0f} | {r['peak_gb']:.1f} | "
-                      f"{r['mfu']:.1%} | {r['warm_s']:.1f} |", flush=True)
-            if comp == "false":  # the padded picture once per shape: same data, rows of 4,096, eager
-                use_packed_attention(model, "sdpa")
-                per = max(1, int(args.tokens.split(",")[-1]) // 4096)
-                pplan = padded(data.lengths, 4096, per, seed=0)
-                pad = [collate_padded(data, pplan.row(i)[0], 0) for i in range(args.steps + 2)]
-                r = run(model, pad, args.steps, device, params, peak)
-                print(f"| {shape} | {per * 4096} | padded | false | {r['tok_s']:,.0f} | {r['peak_gb']:.1f} | "
-                      f"{r['mfu']:.1%} | {r['warm_s']:.1f} |", flush=True)
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            over = run_overrides(shape, model, data, WORK / shape, compiled=comp == "true",
+                                 precision="bf16" if cuda else "fp32", steps=args.warmup + args.steps,
+                                 tokens=args.tokens)
+            for bare in ((False, True) if args.bare == "true" else (False,)):
+                reset()
+                try:
+                    r = (run_bare if bare else run_recipe)(over, args.warmup, args.steps)
+                except Exception as err:  # noqa: BLE001 - one failed run is reported; the others still run
+                    rows.append(emit("bench", shape=shape, method=SHAPES[shape][7], compiled=comp == "true",
+                                     bare_loop=bare, error=f"{type(err).__name__}: {str(err)[:300]}"))
+                    continue
+                rows.append(emit("bench", shape=shape, method=SHAPES[shape][7], compiled=comp == "true", bare_loop=bare,
+                                 tokens_per_micro_batch=args.tokens, steps=args.steps, warmup=args.warmup,
+                                 real_tokens_per_s=round(r["real_tokens_per_s"], 1),
+                                 mfu=None if r["mfu"] is None else round(r["mfu"], 4), peak_gb=peak_gb(),
+                                 recompiles=r["recompiles"], graph_breaks=r["graph_breaks"]))
+    ok = [r for r in rows if "error" not in r]
+    print("\n| shape | method | compiled | loop | real tok/s | MFU | peak GB | recompiles |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for r in ok:
+        mfu = "" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        print(f"| {r['shape']} | {r['method']} | {r['compiled']} | {'bare' if r['bare_loop'] else 'recipe'} | "
+              f"{r['real_tokens_per_s']:,.0f} | {mfu} | {r['peak_gb'] or ''} | {r['recompiles']} |")
+    for a in ok:
+        b = next((x for x in ok if x["bare_loop"] and not a["bare_loop"] and x["shape"] == a["shape"]
+                  and x["compiled"] == a["compiled"]), None)
+        if b:
+            print(f"{a['shape']} compiled={a['compiled']}: recipe / bare loop "
+                  f"{a['real_tokens_per_s'] / b['real_tokens_per_s']:.2f}x")
+    return rows
 
 
 if __name__ == "__main__":

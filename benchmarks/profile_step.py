@@ -62,7 +62,6 @@ def overrides(workload: str, precision: str, compile_: str, method: str = "lora"
 
 def build(over: list[str]):
     """What ``train()`` builds before its loop: engine, batch iterator, throughput window."""
-    from leansft.core import cpu
     from leansft.core.config import PACKED_STRATEGIES, load_config
     from leansft.core.data.prepare import prepare_data
     from leansft.core.data.tokenizer import pad_id
@@ -71,6 +70,7 @@ def build(over: list[str]):
     from leansft.recipe.builders import (
         autocast_dtype,
         build_model,
+        head_precision,
         model_location,
         pick_device,
         seed_everything,
@@ -88,8 +88,7 @@ def build(over: list[str]):
     cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
     batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), 0)
     amp = autocast_dtype(cfg.training.precision, device)
-    loss_module = LossModule(model, cfg.training.loss_chunk_size,
-                             precision=cpu.head_precision(cfg.cpu, device, autocast_dtype(cfg.training.precision, device)))
+    loss_module = LossModule(model, cfg.training.loss_chunk_size, precision=head_precision(cfg, device, amp))
     engine = build_engine(cfg, model, loss_module, 1000, device, amp, 1)
     return engine, batcher.steps(Position(), 1), ThroughputWindow(model, device, None, 1), amp
 
@@ -132,8 +131,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for i in range(args.warmup):  # first steps include compilation, allocator growth, lazy init
         batches, _ = next(steps)
-        window.count(batches)
-        train_step(engine, batches, float(sum(b.target_tokens for b in batches)), i + 1)
+        train_step(engine, batches, window.count(batches), i + 1)
     t_warm = time.perf_counter() - t0
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     flops = real = 0.0
@@ -144,7 +142,7 @@ def main() -> None:
                 batches, _ = next(steps)
             c = window.count(batches)
             flops, real = flops + c.flops, real + c.real
-            train_step(engine, batches, c.weight, args.warmup + i + 1)
+            train_step(engine, batches, c, args.warmup + i + 1)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0

@@ -226,3 +226,29 @@ def test_compiled_layers_with_the_gpus_varlen_path_compile_once_for_all_layers(m
     assert after == first, (first, after)  # no recompile and no graph break for any later batch
     assert after["graph_breaks"] == before["graph_breaks"]
     torch._dynamo.reset()
+
+
+def test_batches_prepared_ahead_come_in_order_and_carry_errors_and_stop():
+    """``Prefetched`` gives the steps of the iterator it runs ahead, in order with their positions; an error raised
+    while preparing one comes out of ``next`` in the training loop; closing stops its thread."""
+    import threading
+
+    from leansft.recipe.batches import Prefetched
+
+    def steps(fail_at=None):
+        for i in range(10):
+            if i == fail_at:
+                raise ValueError(f"row {i} is bad")
+            yield [f"batch {i}"], i
+
+    with Prefetched(steps(), depth=2) as ahead:
+        assert list(ahead) == [([f"batch {i}"], i) for i in range(10)]
+    ahead = Prefetched(steps(fail_at=3), depth=2)
+    assert [next(ahead)[1] for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="row 3 is bad"):
+        next(ahead)
+    endless = Prefetched(iter(lambda: ([1], 0), None), depth=2)  # never ends: close must stop it
+    next(endless)
+    endless.close()
+    assert not endless._thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "leansft-batches" and t.is_alive()]

@@ -207,3 +207,55 @@ def test_a_lora_run_reads_a_bf16_base_in_bf16_on_the_gpu(tmp_path, tiny_run_asse
     assert peaks[False] >= 0.95 * 4 * n and peaks[True] < 1.2 * held, (peaks, n, linear)
     print(f"peak while building: bf16 read {peaks[True] / n:.2f} bytes/param ({held / n:.2f} held), "
           f"fp32 read {peaks[False] / n:.2f}")
+
+
+def test_the_tensor_core_head_is_within_bf16_tolerance_of_fp64():
+    """CUDA's default head (``TENSOR_CORES``: bf16 products, fp32 accumulation and results) at a real shape: its
+    loss and gradients against an fp64 reference of the same inputs."""
+    from leansft.core.model.loss import TENSOR_CORES, chunked_loss, full_logits_loss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(1, 2048, 896, device="cuda", generator=g) * 0.5).requires_grad_()
+    w = (torch.randn(32768, 896, device="cuda", generator=g) * 0.02).requires_grad_()
+    y = torch.randint(0, 32768, (1, 2048), device="cuda", generator=g)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _ = chunked_loss(h, w, y, 1024, precision=TENSOR_CORES)
+    loss.backward()
+    hd, wd = (x.detach().double().requires_grad_() for x in (h, w))
+    ref, _ = full_logits_loss(hd, wd, y)
+    ref.backward()
+    assert abs(float(loss) - float(ref)) / abs(float(ref)) < 1e-2
+    for got, want in ((h.grad, hd.grad), (w.grad, wd.grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 2e-2
+
+
+def test_a_recipe_step_syncs_the_host_once(tmp_path, tiny_run_assets, monkeypatch):
+    """``torch.cuda.set_sync_debug_mode`` over the steps after the first: the only synchronising operations are the
+    step's one read-back (``figures.tolist()`` in ``train_step``), whatever else the recipe does between steps."""
+    import warnings
+
+    import leansft.recipe.train as recipe
+    from helpers import run_config
+
+    real, found = recipe.train_step, []
+
+    def spy(engine, batches, counts, step, stop=None):
+        if step == 1:
+            return real(engine, batches, counts, step, stop)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = real(engine, batches, counts, step, stop)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        found.extend((w.filename.rsplit("/", 1)[-1], w.lineno, str(w.message)[:80]) for w in caught
+                     if "synchroniz" in str(w.message))
+        return out
+
+    monkeypatch.setattr(recipe, "train_step", spy)
+    recipe.train(run_config(tmp_path, tiny_run_assets, "training.max_steps=4", "training.precision=bf16",
+                            "training.compile=false"))
+    sites = {(f, n) for f, n, _ in found}
+    assert len(sites) == 1 and next(iter(sites))[0] == "train.py", found
+    assert len(found) == 3, found  # steps 2, 3 and 4: one each

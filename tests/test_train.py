@@ -411,3 +411,29 @@ def test_examples_past_a_learned_position_table_are_refused_before_step_1(tmp_pa
     assert not (Path(cfg.output_dir) / "metrics.jsonl").exists()
     assert train(run_config(tmp_path / "b", tiny_run_assets, f"model={folder}", "training.max_steps=1",
                             "data.max_length=64"))["step"] == 1
+
+
+def test_a_non_finite_step_leaves_the_weights_as_they_were(tmp_path, tiny_run_assets, monkeypatch):
+    """The update is queued before the host reads the step (``train_step``): a NaN gradient at step 2 makes the
+    fused AdamW skip it (``found_inf``), so the run stops naming the step with the weights and AdamW's step count
+    of step 1, exactly."""
+    import leansft.recipe.train as recipe
+
+    real, seen = recipe.train_step, {}
+
+    def spy(engine, batches, counts, step, stop=None):
+        if step == 2:
+            seen["before"] = {n: p.detach().clone() for n, p in engine.loss_module.named_parameters()}
+            seen["engine"] = engine
+            grad = next(p for p in engine.params)
+            grad.register_hook(lambda g: g * float("nan"))
+        return real(engine, batches, counts, step, stop)
+
+    monkeypatch.setattr(recipe, "train_step", spy)
+    with pytest.raises(LeanSFTError, match="at step 2"):
+        train(run_config(tmp_path, tiny_run_assets, "training.max_steps=3"))
+    engine = seen["engine"]
+    assert engine.optimizer.defaults["fused"]
+    for n, p in engine.loss_module.named_parameters():
+        assert torch.equal(p.detach(), seen["before"][n]), n
+    assert {int(s["step"]) for s in engine.optimizer.state.values()} == {1}

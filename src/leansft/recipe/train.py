@@ -107,9 +107,9 @@ def train_step(engine: Engine, batches: list, counts: StepCounts, step: int,
     messages are weighted) before backward, so the gradient is the token mean over the whole step, whatever the
     accumulation or world size. Over several ranks that count is summed on the device and divides there: the host
     waits for nothing before the forward. The host reads the step back once (loss, gradient norm, stop requests,
-    counts): on CUDA after the update is queued, with a non-finite loss or gradient norm making the fused AdamW skip
-    the update on the device (``found_inf``, as GradScaler uses it), so the device runs on while the host reads;
-    elsewhere before the update. ``stop`` is true when any rank had a stop signal: every rank gets the same answer at
+    counts), after the update is queued, a non-finite loss or gradient norm making the fused AdamW skip the update
+    on the device (``found_inf``, as GradScaler uses it): on CUDA the device runs on while the host reads. An
+    optimizer that is not fused reads before its update. ``stop`` is true when any rank had a stop signal: every rank gets the same answer at
     the same step (a rank stopping alone would leave the others waiting in a collective)."""
     e = engine
     summed = None  # the counts over all ranks, on the device
@@ -135,7 +135,7 @@ def train_step(engine: Engine, batches: list, counts: StepCounts, step: int,
     figures = torch.stack([loss, norm.to(e.device, torch.float32), stops]).double()
     figures = figures if summed is None else torch.cat([figures, summed])
     lr = e.scheduler.get_last_lr()[0]
-    ahead = e.device.type == "cuda" and bool(e.optimizer.defaults.get("fused"))
+    ahead = bool(e.optimizer.defaults.get("fused"))
     if ahead:  # the update queued first, skipped on the device where the step is not finite
         e.optimizer.found_inf = (~torch.isfinite(torch.stack([loss, norm.to(loss.device, loss.dtype)]))).any().float()
         try:
