@@ -9,7 +9,7 @@ Variants, as a bf16-autocast run with fp32 master weights hands them the final h
 - ``liger``: Liger-Kernel's fused linear cross-entropy on bf16 inputs (where liger-kernel imports, on CUDA);
 - ``full_logits``: the whole [tokens, vocab] logits under autocast, then cross-entropy (what a model's own loss does).
 
-    python3 benchmarks/bench_head.py [--shapes 0.5b,1.5b,8b] [--tokens 16384] [--chunk 4096] [--repeat 5]
+    python3 benchmarks/bench_head.py [--shapes 0.5b,1.5b,8b] [--tokens 16384] [--chunk 1024,4096] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -30,17 +30,20 @@ from leansft.core.model.loss import PLAIN, TENSOR_CORES, chunked_loss, full_logi
 HEADS = {"tiny": (64, 4096), "0.5b": (896, 151936), "1.5b": (1536, 151936), "8b": (4096, 128256)}  # hidden, vocab
 
 
-def variants(device: torch.device) -> dict:
-    def chunked(policy):
-        return lambda h, w, y, chunk: chunked_loss(h, w, y, chunk, precision=policy)[0]
+def variants(device: torch.device, chunks: list[int]) -> dict:
+    """name -> (loss function of (hidden, weight, labels), chunk size or None)."""
+    def chunked(policy, chunk):
+        return lambda h, w, y: chunked_loss(h, w, y, chunk, precision=policy)[0]
 
-    out = {"chunked_fp32": chunked(PLAIN), "chunked_bf16": chunked(TENSOR_CORES),
-           "full_logits": lambda h, w, y, chunk: full_logits_loss(h, w, y)[0]}
+    out = {"chunked_fp32": (chunked(PLAIN, chunks[0]), chunks[0])}
+    out |= {"chunked_bf16" if i == 0 else f"chunked_bf16_{c}": (chunked(TENSOR_CORES, c), c)
+            for i, c in enumerate(chunks)}
+    out["full_logits"] = (lambda h, w, y: full_logits_loss(h, w, y)[0], None)
     try:
         import liger_kernel  # noqa: F401
 
         if device.type == "cuda":
-            out["liger"] = lambda h, w, y, chunk: liger_loss(h, w, y, low=torch.bfloat16)[0]
+            out["liger"] = (lambda h, w, y: liger_loss(h, w, y, low=torch.bfloat16)[0], None)
     except ImportError:
         pass
     return out
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="0.5b,1.5b,8b")
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--chunk", default="1024,4096", help="chunk sizes of the chunked head (the first for fp32)")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,13 +72,13 @@ def main(argv: list[str] | None = None) -> None:
         ref.backward()
         ref_loss, ref_h, ref_w = float(ref.detach()), hd.grad, wd.grad
         del hd, wd, ref
-        for name, fn in variants(device).items():
+        for name, (fn, chunk) in variants(device, [int(c) for c in args.chunk.split(",")]).items():
             h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
 
             def step(h=h, w=w, fn=fn):
                 h.grad = w.grad = None
                 with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = fn(h, w, y, args.chunk)
+                    loss = fn(h, w, y)
                 loss.backward()
                 return loss
 
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             ms = statistics.median(times)
             flops = 6 * args.tokens * hidden * vocab  # logits, grad of hidden, grad of weight
-            emit("head", shape=shape, variant=name, tokens=args.tokens, hidden=hidden, vocab=vocab, ms=round(ms, 3),
+            emit("head", shape=shape, variant=name, chunk=chunk, tokens=args.tokens, hidden=hidden, vocab=vocab,
+                 ms=round(ms, 3),
                  tflops=round(flops / ms / 1e9, 1), peak_gb=None if peak is None else round(peak, 2),
                  loss_rel_err=abs(float(loss) - ref_loss) / abs(ref_loss), grad_h_rel_err=rel(h.grad, ref_h),
                  grad_w_rel_err=rel(w.grad, ref_w))

@@ -51,14 +51,14 @@ part() {  # name, timeout in seconds, command...
 }
 if [ "$mini" = 1 ]; then
   part gemm 60 $PY benchmarks/bench_gemm.py --size 128 --repeat 2
-  part head 120 $PY benchmarks/bench_head.py --shapes tiny --tokens 256 --chunk 64 --repeat 1
+  part head 120 $PY benchmarks/bench_head.py --shapes tiny --tokens 256 --chunk 64,128 --repeat 1
   part bench 300 $PY benchmarks/bench_gpu.py --shapes tiny --compile false --steps 2 --warmup 1 --tokens 512 --examples 120
   part profile 120 $PY benchmarks/profile_gpu.py --shape tiny --steps 1 --warmup 1 --tokens 512 --examples 60
   part bench8b 300 $PY benchmarks/bench_gpu.py --shapes tiny-lora --compile false --steps 2 --warmup 1 --tokens 512 --examples 120
   part trl 300 $PY benchmarks/bench_trl.py --workload tiny --examples 24 --max-length 256 --steps 2 --warmup 1 --trl best,shipped --quick
 else
   part gemm 45 $PY benchmarks/bench_gemm.py
-  part head 90 $PY benchmarks/bench_head.py --shapes 0.5b,1.5b,8b --tokens 16384 --chunk 4096
+  part head 90 $PY benchmarks/bench_head.py --shapes 0.5b,1.5b,8b --tokens 16384 --chunk 1024,4096
   part bench 240 $PY benchmarks/bench_gpu.py --shapes 0.5b,1.5b --compile false,true --steps 6 --warmup 3 --tokens 16384
   part profile 60 $PY benchmarks/profile_gpu.py --shape 0.5b --steps 2 --warmup 3 --tokens 16384
   part tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py

@@ -2,7 +2,7 @@
 # The H200 device image's Python and packages, rehearsed on this CPU before a GPU is lent: a venv with Python 3.12,
 # torch 2.11.0 (PyPI's CUDA build, which runs on the CPU; ~4.6 GB with its CUDA libraries), the image's numpy,
 # huggingface_hub and accelerate (the device tool's KINDS.md), and what gpu_wheels.sh carries there at the versions
-# pyproject.toml pins; then the whole suite, bench_gpu.py in miniature and bench_trl.py's GPU workload on the CPU.
+# pyproject.toml pins; then the whole suite and gpu_check.sh in miniature (GPU_CHECK_MINI=1) on the CPU.
 #   bash benchmarks/image_rehearsal.sh [VENV]   (default /tmp/image-venv; needs python3.12 on PATH or PYTHON312)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,6 @@ pin() { grep -o "\"$1==[^\"]*\"" pyproject.toml | head -1 | tr -d '"'; }
 "$venv/bin/python" -c "import sys, torch, transformers, numpy; print(sys.version.split()[0], torch.__version__, transformers.__version__, numpy.__version__)"
 rc=0  # each part runs whatever the others' outcome
 "$venv/bin/python" -m pytest -n 2 --dist loadfile -p no:cacheprovider || rc=1
-"$venv/bin/python" benchmarks/bench_gpu.py --device cpu --shapes tiny --steps 1 --tokens 512 || rc=1
-"$venv/bin/python" benchmarks/bench_trl.py --workload qwen0.5b --examples 64 --max-length 512 --steps 2 \
-  --precision bf16 || rc=1
+GPU_CHECK_MINI=1 PYTHON="$venv/bin/python" LEANSFT_RESULTS=/tmp/rehearsal-results.jsonl \
+  LEANSFT_BENCH_WORK=/tmp/rehearsal-work bash benchmarks/gpu_check.sh || rc=1
 exit $rc
