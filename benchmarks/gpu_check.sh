@@ -20,13 +20,13 @@ cd "$(dirname "$0")/.."
 parts=",${1:-gemm,head,bench,profile,tests,bench8b,trl},"
 mini=${GPU_CHECK_MINI:-0}
 budget=${GPU_CHECK_BUDGET:-540}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+PY=${PYTHON:-python3}
+if [ "$mini" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then  # the device: what its image lacks (gpu_wheels.sh)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export LEANSFT_RESULTS=${LEANSFT_RESULTS:-${OUT:-runs}/results.jsonl}
-PY=${PYTHON:-python3}
 mkdir -p "$(dirname "$LEANSFT_RESULTS")"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

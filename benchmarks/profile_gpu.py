@@ -32,7 +32,7 @@ ATTENTION = ("flash", "fmha", "attention", "attn", "varlen")
 OPTIMIZER = ("adam", "multi_tensor", "foreach")
 
 
-def kind_of(ev) -> str:
+def kind_of(ev, dtypes: list[str]) -> str:
     """An aten op's kind: GEMMs by their inputs' dtype (bf16/fp16: tensor cores; else fp32 or TF32), attention,
     the optimizer, or other (elementwise, reductions, copies)."""
     name = ev.name.removeprefix("aten::").lower()
@@ -41,9 +41,15 @@ def kind_of(ev) -> str:
     if any(k in name for k in OPTIMIZER):
         return "optimizer"
     if name in GEMM_OPS:
-        half = any("BFloat16" in d or "Half" in d for d in (ev.input_dtypes or []))
-        return "bf16_gemm" if half else "fp32_gemm"
+        return "bf16_gemm" if any("BFloat16" in d or "Half" in d for d in dtypes) else "fp32_gemm"
     return "other"
+
+
+def recorded_dtypes(prof) -> dict[int, list[str]]:
+    """Each CPU op's input dtypes by its id (``record_shapes``): torch 2.13's events carry them, torch 2.11's only
+    the profiler's raw events do."""
+    return {e.correlation_id(): list(e.dtypes()) for e in prof.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CPU}
 
 
 def union_us(spans: list[tuple[float, float]]) -> float:
@@ -123,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
             sync()
             wall_us = 1e6 * (time.perf_counter() - t0)
     kinds, names, spans = defaultdict(float), defaultdict(float), []
+    dtypes = recorded_dtypes(prof)
     for ev in prof.events():
         if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:  # a kernel: when the device was busy
             spans.append((ev.time_range.start, ev.time_range.end))
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         dur = ev.self_device_time_total if cuda else ev.self_cpu_time_total  # its own kernels / its own time
         if dur > 0:
-            kinds[kind_of(ev)] += dur
+            kinds[kind_of(ev, getattr(ev, "input_dtypes", None) or dtypes.get(ev.id, []))] += dur
             names[ev.name[:80]] += dur
     busy = union_us(spans) if cuda else sum(kinds.values())  # the CPU miniature: little meaning, same code
     if cuda:  # kernels launched by no aten op (a compiled layer's Triton kernels) are "other" too
