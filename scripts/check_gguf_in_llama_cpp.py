@@ -7,13 +7,15 @@ A development check, not a test: it needs llama-cpp-python built on this machine
 
 For each architecture a tiny random model (weights scaled up, so logits are far from zero) is exported at f32 and
 run in llama.cpp (f32 KV cache) on a ~300-token text: the token ids must be the HF tokenizer's, and the table gives
-the largest logit difference as a share of the largest logit.
+the largest logit difference as a share of the largest logit. Then the same for SentencePiece tokenizers saved as
+tokenizer.json alone (the export rebuilds their tokenizer.model): Llama 2's conventions with the Mistral template,
+Gemma's with the Gemma template, and Gemma 3's own 262k tokenizer where the npm cache has it; their ids are compared
+on the export's probe texts alone and inside the chat template (``leansft.core.gguf.write.probe_texts``), tokenized
+by llama.cpp with special tokens parsed.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import shutil
 import sys
 import tempfile
@@ -25,22 +27,12 @@ import transformers as tf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from helpers import build_tiny_bpe, offline_counter_dir  # noqa: E402
+from helpers import build_tiny_bpe, build_tiny_sentencepiece, offline_counter_dir, prepend_style_tokenizer  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Hello! How can I help you today? What is the capital of "
         "France? Paris is the capital. Two plus two equals four, 1234 and 56. ") * 6
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024)
-
-
-def sentencepiece_folder(dest: Path) -> str:
-    """Mistral 7B v0.1's SentencePiece model (Llama 2's kind, as Phi-3 uses), from mistral-common."""
-    dest.mkdir(parents=True, exist_ok=True)
-    data = Path(importlib.util.find_spec("mistral_common").origin).parent / "data"
-    shutil.copy(data / "tokenizer.model.v1", dest / "tokenizer.model")
-    (dest / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
-    return str(dest)
 
 
 def main() -> None:
@@ -49,7 +41,8 @@ def main() -> None:
     from leansft.recipe.export_run import export_source
 
     tmp = Path(tempfile.mkdtemp())
-    bpe, sp = build_tiny_bpe(tmp / "bpe"), sentencepiece_folder(tmp / "sp")
+    bpe = build_tiny_bpe(tmp / "bpe")
+    sp = prepend_style_tokenizer(build_tiny_sentencepiece(tmp / "spm", "llama"), tmp / "sp")  # Phi-3's form
     qwen = str(offline_counter_dir("qwen-2.5", tmp / "qwen"))
     cases = {
         "llama": (tf.LlamaConfig, bpe, {}),
@@ -90,6 +83,40 @@ def main() -> None:
             ref = model(torch.tensor([ids])).logits[0].numpy()
         rel = float(np.abs(ours - ref).max() / np.abs(ref).max())
         print(f"| {name} | {len(ids)} | {same_ids} | {rel:.1e} |")
+    sentencepiece(tmp, Llama, export_source)
+
+
+def sentencepiece(tmp: Path, Llama, export_source) -> None:
+    from leansft.core.gguf.write import PROBE_TEXTS, probe_texts
+
+    gemma3 = Path.home() / ".cache" / "leansft-test-assets" / "tokenizer-gemma3"
+    gemma = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32}
+    folders = {"llama (SentencePiece, Metaspace first)":
+               (tf.LlamaConfig, build_tiny_sentencepiece(tmp / "spl", "llama"), {}),
+               "gemma3 (SentencePiece, Gemma's)": (tf.Gemma3TextConfig, build_tiny_sentencepiece(tmp / "spg", "gemma"),
+                                                   gemma)}
+    if (gemma3 / "tokenizer.json").exists():
+        folders["gemma3 (Gemma 3's own tokenizer)"] = (tf.Gemma3TextConfig, str(gemma3), gemma)
+    print("\n| tokenizer | add_space_prefix | probe texts alone: ids as HF | inside the template: ids as HF |")
+    print("| --- | --- | --- | --- |")
+    for i, (name, (config, tokenizer_path, extra)) in enumerate(folders.items()):
+        tok = tf.AutoTokenizer.from_pretrained(tokenizer_path)
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(config(vocab_size=len(tok), **TINY, **extra)).eval()
+        folder = tmp / f"sp{i}"
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        path = export_source(str(folder), "gguf", str(tmp / f"sp{i}.gguf"), "f32")
+        llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+        prefix = llm.metadata.get("tokenizer.ggml.add_space_prefix")
+
+        def same(texts: list[str]) -> str:
+            ok = [llm.tokenize(t.encode(), add_bos=False, special=True) == tok(t, add_special_tokens=False)["input_ids"]
+                  for t in texts]
+            return f"{sum(ok)}/{len(ok)}"
+
+        templated = [t for t in probe_texts(tok, raw_texts=False) if t not in PROBE_TEXTS]
+        print(f"| {name} | {prefix} | {same(list(PROBE_TEXTS))} | {same(templated)} |")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
-from helpers import ALPACA, build_tiny_bpe, offline_counter_dir, package_dir, write_jsonl  # noqa: E402
+from helpers import (  # noqa: E402
+    ALPACA,
+    build_tiny_bpe,
+    build_tiny_sentencepiece,
+    offline_counter_dir,
+    package_dir,
+    write_jsonl,
+)
 
 from leansft.core.data.tokenizer import load_tokenizer  # noqa: E402
 
@@ -63,6 +70,12 @@ def mistral_path(assets) -> str:
 @pytest.fixture(scope="session")
 def tiny_bpe_path(assets) -> str:
     return build_tiny_bpe(assets / "tiny_bpe")
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_paths(assets) -> dict[str, str]:
+    """Tiny SentencePiece BPE tokenizers in Llama 2's and Gemma's conventions, saved as tokenizer.json alone."""
+    return {style: build_tiny_sentencepiece(assets / f"spm_{style}", style) for style in ("llama", "gemma")}
 
 
 @pytest.fixture(scope="session")

@@ -187,3 +187,56 @@ def gguf_of(model, tokenizer, path: Path, dtype: str = "f32", stop_ids=()) -> Pa
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return convert(folder, path, dtype, stop_ids)
+
+
+def build_tiny_sentencepiece(dest: Path, style: str) -> str:
+    """A SentencePiece BPE model (byte fallback) trained here on alpaca text, as a transformers tokenizer folder
+    saved the way transformers 5 saves it: tokenizer.json alone, no tokenizer.model. ``llama``: Llama 2's
+    conventions (<unk> <s> </s>, a dummy prefix) with the Mistral template; ``gemma``: Gemma's (<pad> <eos> <bos>
+    <unk>, no prefix, <start_of_turn>/<end_of_turn> pieces) with the Gemma template."""
+    import sentencepiece as spm
+    import transformers as tf
+
+    from leansft.core.data.builtin_templates import GEMMA, MISTRAL
+
+    work = dest.parent / f".{dest.name}-spm"
+    work.mkdir(parents=True, exist_ok=True)
+    rows = json.loads(Path(ALPACA).read_text())[:400]
+    (work / "corpus.txt").write_text("\n".join(r["instruction"] + " " + r["output"] for r in rows))
+    kw = dict(input=str(work / "corpus.txt"), model_prefix=str(work / "m"), vocab_size=600, model_type="bpe",
+              byte_fallback=True, character_coverage=0.9995, split_digits=True, allow_whitespace_only_pieces=True,
+              remove_extra_whitespaces=False, normalization_rule_name="identity", minloglevel=2)
+    if style == "llama":
+        kw.update(unk_id=0, bos_id=1, eos_id=2, pad_id=-1, add_dummy_prefix=True)
+        cfg = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    else:
+        kw.update(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+                  add_dummy_prefix=False, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"])
+        cfg = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>",
+               "pad_token": "<pad>"}
+    spm.SentencePieceTrainer.train(**kw)
+    (work / "tokenizer.model").write_bytes((work / "m.model").read_bytes())
+    (work / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = tf.AutoTokenizer.from_pretrained(str(work))
+    tok.chat_template = MISTRAL if style == "llama" else GEMMA
+    tok.save_pretrained(dest)
+    (dest / "tokenizer.model").unlink(missing_ok=True)  # as transformers 5 leaves a folder
+    return str(dest)
+
+
+def prepend_style_tokenizer(src: str, dest: Path) -> str:
+    """``src``'s SentencePiece tokenizer in the older form Phi-3's own tokenizer.json has (a Prepend normaliser, no
+    Metaspace: a ``▁`` before every stretch of text, as SentencePiece and llama.cpp prefix it), kept as it is by
+    loading it as a plain fast tokenizer (LlamaTokenizer would rebuild transformers 5's Metaspace in its place)."""
+    import shutil
+
+    from tokenizers import Tokenizer, normalizers
+
+    shutil.copytree(src, dest)
+    backend = Tokenizer.from_file(str(dest / "tokenizer.json"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
+    backend.save(str(dest / "tokenizer.json"))
+    config = json.loads((dest / "tokenizer_config.json").read_text())
+    (dest / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return str(dest)

