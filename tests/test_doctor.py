@@ -65,9 +65,9 @@ def test_end_of_turn_masked_like_a_pad_token_fails(tmp_path, tiny_run_assets, mo
 
     real = ChatEncoder._labels
 
-    def pad_masking(self, ids, *a):  # the classic bug: labels[ids == pad_id] = -100 with pad == eos
-        encoded, seams = real(self, ids, *a)
-        encoded[1][ids == self.tok.pad_token_id] = -100  # (input_ids, labels)
+    def pad_masking(self, tokens, *a):  # the classic bug: labels[ids == pad_id] = -100 with pad == eos
+        encoded, seams = real(self, tokens, *a)
+        encoded[1][tokens.ids == self.tok.pad_token_id] = -100  # (input_ids, labels)
         return encoded, seams
 
     monkeypatch.setattr(ChatEncoder, "_labels", pad_masking)

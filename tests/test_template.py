@@ -298,3 +298,22 @@ def test_a_system_message_or_tool_result_the_template_drops_is_refused(load_tok,
         encode(tok, user_and_assistant_only, chat)
     ids, labels = encode(tok, None, chat)  # Qwen2.5's own renders both
     assert tok.decode(ids[spans(labels)[-1][0]:spans(labels)[-1][1]]) == "It is 21 degrees.<|im_end|>"
+
+
+@pytest.mark.parametrize("fixture", ["qwen25_path", "llama3_path", "mistral_path", "tiny_bpe_path"])
+def test_a_span_read_off_its_edge_tokens_matches_the_full_offset_scan(request, load_tok, fixture):
+    """The fast path (the tokens at a span's two edges) answers only where it agrees with every token's offsets:
+    on byte-fallback pieces, merged spaces, CJK, emoji and special tokens, at every pair of character edges."""
+    from leansft.core.data.masking import _Tokens
+
+    backend = load_tok(request.getfixturevalue(fixture)).backend_tokenizer
+    text = "<|im_start|>user\n  Héllo, 世界!\t🙂🙂 x\n\n</s><|im_end|> ok"
+    tokens = _Tokens([backend.encode(text, add_special_tokens=False)], [0])
+    fast = 0
+    for c0 in range(len(text)):
+        for c1 in range(c0 + 1, len(text) + 1):
+            found = tokens._edges(c0, c1, len(text))
+            if found is not None:
+                fast += 1
+                assert found == tokens._scan(c0, c1), (c0, c1, text[c0:c1])
+    assert fast > 0

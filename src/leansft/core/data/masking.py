@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -119,6 +120,62 @@ class _Example:
     spans: list[tuple[int, int, int]]  # (first char, end char after the stop token, message index) per loss turn
     chat: list[dict] | None = None  # the messages as the template saw them
     split: int | None = None  # tokenise text[:split] and text[split:] apart (a seam the tokenizer would merge)
+
+
+class _Tokens:
+    """An example's token ids, and its tokens' character offsets, built only where a span needs more than its edges
+    (building them for every example took as long as a tenth of the tokenizer's own work)."""
+
+    def __init__(self, encodings: list, starts: list[int]) -> None:
+        self.encodings, self.starts = encodings, starts
+        parts = [np.array(e.ids, dtype=np.int32) for e in encodings]
+        self.ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self._offsets: np.ndarray | None = None
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """[tokens, 2] start and end character of each token in the whole text."""
+        if self._offsets is None:
+            self._offsets = np.concatenate([
+                np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64, count=2 * len(e.ids)).reshape(-1, 2)
+                + start for e, start in zip(self.encodings, self.starts)])
+        return self._offsets
+
+    def span(self, c0: int, c1: int, length: int) -> tuple[int, int] | None:
+        """Token indexes [lo, hi) covering characters [c0, c1) exactly, or None where a token straddles an edge.
+        Read off the tokens at the two edges where they answer it plainly; from all the offsets otherwise."""
+        found = self._edges(c0, c1, length) if len(self.encodings) == 1 else None
+        return self._scan(c0, c1) if found is None else found
+
+    def _edges(self, c0: int, c1: int, length: int) -> tuple[int, int] | None:
+        """The span from the tokens at its edges where they settle it plainly; None where unsure (then ``_scan``)."""
+        e, n = self.encodings[0], len(self.ids)
+
+        def chars(i: int) -> tuple[int, int]:
+            return e.token_to_chars(i) or (-1, -1)  # a token with no characters: unsure
+
+        lo = e.char_to_token(c0) if c0 < length else None
+        if lo is None or chars(lo)[0] != c0 or (lo > 0 and chars(lo - 1)[1] > c0):
+            return None
+        if c1 >= length:
+            hi = n
+        else:
+            hi = e.char_to_token(c1)
+            if hi is None or chars(hi)[0] != c1 or chars(hi - 1)[0] == c1:
+                return None
+        if hi <= lo:
+            return None
+        return (lo, hi) if chars(hi - 1)[1] == c1 else None
+
+    def _scan(self, c0: int, c1: int) -> tuple[int, int] | None:
+        offsets = self.offsets
+        ends = np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
+        n = len(offsets)
+        lo = int(np.searchsorted(offsets[:, 0], c0, "left"))
+        hi = int(np.searchsorted(ends, c1, "right"))
+        clean_start = lo < n and offsets[lo, 0] == c0 and (lo == 0 or ends[lo - 1] <= c0)
+        clean_end = hi > lo and ends[hi - 1] == c1 and (hi == n or offsets[hi, 0] >= c1)
+        return (lo, hi) if clean_start and clean_end else None
 
 
 def _reasoning(message: dict) -> str | None:
@@ -217,6 +274,7 @@ class ChatEncoder:
         except Exception:
             self._has_gen_prompt = True
         self._stop_list = sorted(set(self.stops.declared + self.stops.fallback), key=len, reverse=True)
+        self._stop_text = re.compile("|".join(map(re.escape, self._stop_list)) or r"(?!)")  # any stop, as text
         # a tokenizer that marks the start of separately tokenised text ("▁x", "Ġx") cannot tokenise an answer apart
         first = self._backend.encode("x", add_special_tokens=False).tokens
         self._prefixes = bool(first) and first[0] != "x"
@@ -405,24 +463,15 @@ class ChatEncoder:
                  "{% generation %} markers)")
 
     # -- token spans -----------------------------------------------------------------------------
-    def _token_span(self, offsets: np.ndarray, ends: np.ndarray, c0: int, c1: int) -> tuple[int, int] | None:
-        """Token indexes [lo, hi) covering characters [c0, c1) exactly, or None where a token straddles an edge."""
-        n = len(offsets)
-        lo = int(np.searchsorted(offsets[:, 0], c0, "left"))
-        hi = int(np.searchsorted(ends, c1, "right"))
-        clean_start = lo < n and offsets[lo, 0] == c0 and (lo == 0 or ends[lo - 1] <= c0)
-        clean_end = hi > lo and ends[hi - 1] == c1 and (hi == n or offsets[hi, 0] >= c1)
-        return (lo, hi) if clean_start and clean_end else None
-
-    def _labels(self, ids: np.ndarray, offsets: np.ndarray, ex: _Example, messages: list[dict], row: int
+    def _labels(self, tokens: _Tokens, ex: _Example, messages: list[dict], row: int
                 ) -> tuple[Encoded, list[tuple[int, int, int]]]:
         """Labels for the spans whose edges fall between tokens; the spans that do not are returned (their turn
         is then tokenised apart, prompt and answer separately, as at inference)."""
-        ends = np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
+        ids = tokens.ids
         labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
         weights, seams = None, []
         for c0, c1, ai in ex.spans:
-            found = self._token_span(offsets, ends, c0, c1)
+            found = tokens.span(c0, c1, len(ex.text))
             if found is None:
                 seams.append((c0, c1, ai))
                 continue
@@ -432,11 +481,12 @@ class ChatEncoder:
                 weights = np.ones(len(ids), dtype=np.float32) if weights is None else weights
                 weights[lo:hi] = messages[ai]["weight"]
             if ai >= 0:
-                self._count_turn(ex.text, c0, c1, offsets[lo:hi, 0], ex.chat[ai], ai, row)
+                self._count_turn(ex.text, c0, c1, lambda lo=lo, hi=hi: tokens.offsets[lo:hi, 0], ex.chat[ai], ai,
+                                 row)
         return Encoded(ids, labels, weights), seams
 
-    def _count_turn(self, text: str, c0: int, c1: int, token_starts: np.ndarray, message: dict, ai: int,
-                    row: int) -> None:
+    def _count_turn(self, text: str, c0: int, c1: int, token_starts: Callable[[], np.ndarray], message: dict,
+                    ai: int, row: int) -> None:
         """Counts for reports, once ``_check_turn`` has passed; thinking the template does not render is an
         error, not a silent drop."""
         self._check_turn(text, c0, c1, message, ai, row)
@@ -456,7 +506,8 @@ class ChatEncoder:
                 hint="use a template that renders reasoning (the model's own, e.g. Qwen3's), or data.reasoning: drop "
                      "to train the answers only")
         self.stats["thinking_turns"] += 1
-        self.stats["thinking_tokens"] += int(((token_starts >= at) & (token_starts < at + len(thinking))).sum())
+        starts = token_starts()
+        self.stats["thinking_tokens"] += int(((starts >= at) & (starts < at + len(thinking))).sum())
 
     def _check_turn(self, text: str, c0: int, c1: int, message: dict, ai: int, row: int) -> None:
         """The loss span ``[c0, c1)`` must hold the whole turn the data give: not end inside the message's own
@@ -464,6 +515,8 @@ class ChatEncoder:
         written beside them."""
         cut = self._cut_inside(text, c0, c1, message)
         calls = message.get("tool_calls") or []
+        if cut is None and not calls:  # the common turn: nothing else to look at
+            return
         dropped = _missing_call_text(text[c0:c1], calls)
         said = str(message.get("content") or "")
         lead = _LEADING_THINK.match(said)
@@ -496,9 +549,10 @@ class ChatEncoder:
         None. Only a field that holds a stop token as text can be cut; one ending with it (after trailing
         whitespace) is not: the model stops where the data's author put the stop."""
         for name in ("reasoning_content", "content"):
-            body = str(message.get(name) or "").strip()
-            if not any(t in body for t in self._stop_list):
+            body = str(message.get(name) or "")
+            if not body or not self._stop_text.search(body):
                 continue
+            body = body.strip()
             while stop := next((t for t in self._stop_list if body.endswith(t)), None):
                 body = body[: -len(stop)].rstrip()
             at = text.find(body, c0) if body else -1
@@ -524,22 +578,14 @@ class ChatEncoder:
                 raise TemplateError(err.message, row=conv.row, field=err.field, hint=err.hint) from None
             raise
 
-    def _tokenise(self, examples: list[_Example]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(ids, character offsets) of each example; split examples are tokenised in two pieces."""
+    def _tokenise(self, examples: list[_Example]) -> list[_Tokens]:
+        """Each example's tokens; split examples are tokenised in two pieces."""
         texts = []
         for ex in examples:
             texts += [ex.text] if ex.split is None else [ex.text[: ex.split], ex.text[ex.split:]]
         encoded = iter(self._backend.encode_batch(texts, add_special_tokens=False))
-        out = []
-        for ex in examples:
-            starts = [0] if ex.split is None else [0, ex.split]
-            ids, offsets = [], []
-            for start, e in zip(starts, [next(encoded) for _ in starts]):
-                ids.append(np.fromiter(e.ids, dtype=np.int32, count=len(e.ids)))
-                offsets.append(np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64,
-                                           count=2 * len(e.ids)).reshape(-1, 2) + start)
-            out.append((np.concatenate(ids), np.concatenate(offsets)))
-        return out
+        return [_Tokens([next(encoded)] if ex.split is None else [next(encoded), next(encoded)],
+                        [0] if ex.split is None else [0, ex.split]) for ex in examples]
 
     def _encode_examples(self, convs: list[Conversation]) -> list[list[tuple[_Example, Encoded]]]:
         """Each conversation's examples with their arrays (text conversations: loss on every token + eos)."""
@@ -570,12 +616,12 @@ class ChatEncoder:
             examples.extend(found)
         while examples:  # a second round only for turns whose prompt/answer seam the tokenizer merges
             again = []
-            for ex, (ids, offsets) in zip(examples, self._tokenise(examples)):
+            for ex, tokens in zip(examples, self._tokenise(examples)):
                 conv = convs[ex.conv]
                 if self.loss_on == "all":
-                    out[ex.conv].append((ex, Encoded(ids, ids.copy())))
+                    out[ex.conv].append((ex, Encoded(tokens.ids, tokens.ids.copy())))
                     continue
-                encoded, seams = self._labels(ids, offsets, ex, conv.messages, conv.row)
+                encoded, seams = self._labels(tokens, ex, conv.messages, conv.row)
                 for c0, c1, ai in seams:
                     if ex.split is not None or self._prefixes:
                         self._refuse(conv.row, ai, ex.chat, "the tokenizer merges the answer's first characters "
@@ -608,7 +654,7 @@ class ChatEncoder:
             if conv.text is not None:
                 out.append((ids, labels, np.full(len(ids), KINDS.index("target"), np.int8)))
                 continue
-            starts = self._tokenise([ex])[0][1][:, 0]
+            starts = self._tokenise([ex])[0].offsets[:, 0]
             kinds = np.where(labels != IGNORE_INDEX, KINDS.index("target"), KINDS.index("context")).astype(np.int8)
 
             def mark(kind: str, a: int, b: int, loss: bool) -> None:
