@@ -183,3 +183,20 @@ def test_a_sample_prompt_on_the_console_starts_at_a_line_or_word():
                                      "in Java?<|im_end|>\n<|im_start|>assistant")
     assert prompt_tail("word " * 50, 40) == "\u2026" + ("word " * 8).strip()  # no line near: from a word
     assert prompt_tail("x" * 200, 40) == "\u2026" + "x" * 40 and prompt_tail(" short\n") == "short"
+
+
+def test_the_reports_lr_plot_draws_every_step_warm_up_included(tmp_path):
+    """Logged every 10 steps, a 5-step warm-up is not in the records; the report's curve has it, and no curve is
+    drawn where it would miss a logged rate."""
+    import yaml
+
+    from leansft.recipe.report import schedule_curve
+    from leansft.recipe.schedule import lr_lambda
+
+    training = {"schedule": "cosine", "warmup_steps": 5, "warmup_ratio": 0.0, "max_steps": 20, "learning_rate": 1e-3}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"training": training}))
+    f = lr_lambda("cosine", 5, 20)
+    logged = [{"step": s, "lr": 1e-3 * f(s - 1)} for s in (10, 20)]
+    steps, rates = schedule_curve(tmp_path, logged)
+    assert steps[:5] == [1, 2, 3, 4, 5] and rates[:5] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4, 1e-3])
+    assert schedule_curve(tmp_path, [{"step": 10, "lr": 5e-4}]) is None

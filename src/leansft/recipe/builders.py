@@ -36,6 +36,7 @@ from leansft.core.model.qlora import load_quantised
 from leansft.core.model.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.core.paths import cache_dir
 from leansft.recipe.batches import Batcher
+from leansft.recipe.schedule import lr_lambda, warmup_steps
 
 log = logging.getLogger("leansft")
 
@@ -218,20 +219,8 @@ def build_optimizer(cfg: RunConfig, model, device: torch.device) -> torch.optim.
     return torch.optim.AdamW(groups, lr=lr, betas=cfg.training.betas, fused=device.type in ("cuda", "cpu"))
 
 
-def lr_lambda(schedule: str, warmup: int, total: int):
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-
-    return f
-
-
 def build_scheduler(cfg: RunConfig, optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = cfg.training.warmup_steps or int(cfg.training.warmup_ratio * total_steps)
+    warmup = warmup_steps(cfg.training, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.training.schedule, warmup, total_steps))
 
 

@@ -267,6 +267,7 @@ class Checkpointer:
         saved = ckpt.load_checkpoint(path, self.root, self.optimizer, self.scheduler, verified=True)
         self._check_data(path, saved.get("data_fingerprint"))
         log.info("resumed from %s at step %d", path, saved["step"])
+        self._follow_schedule(saved["step"])
         state = TrainState(step=saved["step"], position=Position(**saved["position"]),
                            **{k: saved[k] for k in ("tokens_seen", "examples_seen", "target_tokens_seen")},
                            **{k: saved[k] for k in ("step_seconds", "wall_seconds", "finished") if k in saved})
@@ -287,6 +288,26 @@ class Checkpointer:
                      "(leansft export) and start a new run from it in another output_dir")
         if allowed:
             log.warning("resuming with changes from the checkpoint's config: %s", "; ".join(allowed))
+
+    def _follow_schedule(self, step: int) -> None:
+        """The learning rate from the schedule this run built, from its first resumed step on. The saved optimizer
+        holds the rate the saved schedule set for that step: where ``max_steps`` or ``epochs`` changed, one step
+        would run at the old schedule's end (0 after a cosine). The same schedule gives the same numbers."""
+        s = self.scheduler
+        was = [g["lr"] for g in self.optimizer.param_groups]
+        now = [base * f(s.last_epoch) for base, f in zip(s.base_lrs, s.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, now):
+            group["lr"] = lr
+        s._last_lr = list(now)  # what get_last_lr() reports (LambdaLR keeps it there)
+        if was == now or distributed.rank() != 0:
+            return
+        peak = now[0] / max(s.base_lrs[0], 1e-30)
+        log.warning(
+            "the learning-rate schedule changed with the run's length: step %d runs at lr %.2e of the new schedule "
+            "(%.0f%% of the peak; the saved one had reached %.2e)%s", step + 1, now[0], 100 * peak, was[0],
+            "" if peak >= 0.5 or self.cfg.training.schedule == "constant" else
+            ": a decayed schedule extended trains little more; to train materially further, export this run and "
+            "start a new one from it (its own warm-up and decay)")
 
     def _check_data(self, path: Path, saved: str | None) -> None:
         """Refuse a resume on training data other than the checkpoint's (``saved``: its fingerprint): the same

@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
-
 from leansft.core.errors import LeanSFTError
+from leansft.core.progress import console
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -24,6 +23,29 @@ def read_jsonl(path: Path) -> list[dict]:
         except ValueError:
             continue
     return out
+
+
+def schedule_curve(run: Path, train: list[dict]) -> tuple[list[int], list[float]] | None:
+    """(steps, learning rate) at every step of the run, from its config.yaml's schedule (the optimizer's own
+    function); None where the run folder has no readable config, or the curve misses a logged rate (a run whose
+    length the config does not give, stopped early)."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from leansft.recipe.schedule import lr_lambda, warmup_steps
+
+    try:
+        training = SimpleNamespace(**yaml.safe_load((run / "config.yaml").read_text())["training"])
+        total = training.max_steps or max(r["step"] for r in train)
+        f = lr_lambda(training.schedule, warmup_steps(training, total), total)
+        lr = float(training.learning_rate)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    steps = list(range(1, total + 1))
+    rates = [lr * f(s - 1) for s in steps]
+    exact = all(abs(rates[r["step"] - 1] - r["lr"]) <= 1e-9 * lr for r in train if 0 < r["step"] <= total)
+    return (steps, rates) if exact else None
 
 
 def write_report(run: Path, quiet: bool = False) -> list[Path]:
@@ -46,7 +68,11 @@ def write_report(run: Path, quiet: bool = False) -> list[Path]:
     axes[0].set_xlabel("tokens seen")
     axes[0].set_ylabel("loss")
     axes[0].legend()
-    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
+    curve = schedule_curve(run, train)
+    if curve is not None:  # every step's rate: a warm-up shorter than log_every still shows
+        axes[1].plot(*curve, label="schedule")
+    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train], "o", markersize=3, label="logged")
+    axes[1].legend()
     axes[1].set_xlabel("step")
     axes[1].set_ylabel("learning rate")
     axes[2].plot([r["step"] for r in train], [r["real_tokens_per_s"] for r in train], label="real tokens/s")
@@ -103,7 +129,7 @@ def run_totals(records: list[dict]) -> dict | None:
 
 def print_summary(train: list[dict], evals: list[dict], samples: list[dict], totals: dict | None = None) -> None:
     """Console summary: eval loss before/after, throughput, and the first vs last samples side by side."""
-    c = Console()
+    c = console()
     if evals:
         c.print(f"[bold]eval loss[/] {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) -> "
                 f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})")
