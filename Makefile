@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,8 +26,12 @@ demo: $(STAMP)
 	$(PY) -m leansft export runs/demo/final --to gguf runs/demo/final.gguf
 	@echo "done: runs/demo/ (report.md, final/, final.gguf). The leansft command is in .venv/bin: source .venv/bin/activate"
 
+# The documentation site (MkDocs Material) into site/; `.venv/bin/mkdocs serve` for a live preview.
+docs: $(STAMP)
+	$(PY) -m mkdocs build -q -d site
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_plan.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import transformers as tf
 
-from leansft.core.batching.collate import collate_padded, collate_rows, micro_batches
-from leansft.core.batching.packing import bfd, padded
+from leansft.core.batching.collate import collate_padded, collate_rows
+from leansft.core.batching.packing import bfd, micro_batches, padded
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.model.attention import VARLEN, packed_forward, use_packed_attention
 from leansft.core.model.loss import chunked_loss

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from leansft.core.batching.packing import pack
+from leansft.core.batching.packing import PACKED, pack
 from leansft.tools.stats import lognormal_lengths
 
 
@@ -20,7 +20,7 @@ def main() -> None:
         t0 = time.perf_counter()
         plan = pack(s, lengths, 4096, batch_size=8)
         dt = time.perf_counter() - t0
-        fill = plan.length.sum() / plan.slots.sum()
+        fill = plan.fill if s in PACKED else plan.length.sum() / plan.slots.sum()  # rows filled / not padding
         print(f"{s:10s} {dt:8.2f} {plan.num_rows:9,d} {fill:8.4%}")
 
 

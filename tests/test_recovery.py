@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
+import math
 import os
 import shutil
 import signal
@@ -494,3 +496,29 @@ def test_a_checkpoint_missing_a_ranks_shard_does_not_verify(tmp_path):
     assert ckpt.damage(folder) == "dcp/__1_0.distcp missing (rank 1's shard)"
     assert ckpt.damage(folder, ranks={0}) is None
     assert ckpt.damage(folder, ranks={1}) == "dcp/__1_0.distcp missing (rank 1's shard)"
+
+
+def test_extending_a_finished_run_follows_the_new_schedule_from_its_first_resumed_step(tmp_path, tiny_run_assets,
+                                                                                      reference, caplog):
+    """6 -> 8 steps through the CLI: step 7 runs at the 8-step cosine's rate, not at the 6-step cosine's end (0),
+    and a warning says what the extension means."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    cfg = run_config(tmp_path, tiny_run_assets, "checkpoint.save_every=2", "checkpoint.keep_last=5")
+    cfg.output_dir = str(run)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    with caplog.at_level(logging.WARNING, logger="leansft"):
+        assert main(["train", str(path), "training.max_steps=8", "--resume", "auto"]) == 0
+    lr = {r["step"]: r["lr"] for r in records(run) if "lr" in r}
+    cosine = [3e-3 * (1 if s < 1 else 0.5 * (1 + math.cos(math.pi * (s - 1) / 7))) for s in range(8)]
+    assert lr[7] == pytest.approx(cosine[6], rel=1e-9) and lr[8] == pytest.approx(cosine[7], rel=1e-9)
+    assert "step 7 runs at lr" in caplog.text and "a decayed schedule extended trains little more" in caplog.text
+
+
+def test_a_max_length_that_leaves_nothing_names_max_length(tmp_path, tiny_run_assets, capsys):
+    path = config_file(tmp_path, tiny_run_assets)
+    assert main(["train", path, "data.max_length=16"]) == 2
+    err = capsys.readouterr().err
+    assert "without a target token once cut at data.max_length 16" in err and "raise data.max_length to about" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()

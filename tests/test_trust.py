@@ -113,7 +113,7 @@ def test_a_gguf_export_replaces_only_its_own_file(tmp_path, tiny_run_assets, cap
     assert out.read_bytes() == b"someone else's file"
     assert main(["export", src, str(out), "--to", "gguf", "--overwrite"]) == 0
     assert main(["export", src, str(out), "--to", "gguf", "--dtype", "f32"]) == 0  # its own: replaced
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # no fixed-name or leftover temp file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.Modelfile", "model.gguf"]  # no temp file left
     refused(capsys, main(["export", src, str(tmp_path), "--to", "gguf", "--overwrite"]), "OUT is a folder")
 
 

@@ -10,8 +10,9 @@ folder when something exists there; output_dir and cache_dir stay relative to th
 
 from __future__ import annotations
 
+from difflib import get_close_matches
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -36,6 +37,18 @@ GGUFDType = Literal["f16", "bf16", "q8_0", "f32"]  # `leansft export --to gguf -
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _any_case(cls, value, info):
+        """A choice in another case (``method: LoRA``) is the choice: the choices are all lower case."""
+        if isinstance(value, str) and not value.islower():
+            annotation = cls.model_fields[info.field_name].annotation
+            choices = [a for t in (get_args(annotation) if get_origin(annotation) is Union else (annotation,))
+                       if get_origin(t) is Literal for a in get_args(t)]
+            if value.lower() in choices:
+                return value.lower()
+        return value
+
 
 class SourceConfig(_Strict):
     path: str = Field(description="a file (.jsonl, .json, .parquet, .csv), a dataset folder, or a Hub dataset name")
@@ -44,6 +57,9 @@ class SourceConfig(_Strict):
                                        "row's keys")
     weight: float = Field(1.0, gt=0, description="sampling weight: 2.0 repeats the source, 0.5 keeps half")
     split: str = Field("train", description="the split of a dataset folder or Hub dataset")
+    columns: dict[str, str] = Field(default_factory=dict,
+                                    description="the format's keys from other columns, e.g. {prompt: question, "
+                                                "completion: answer} for a question,answer CSV")
 
 
 class CleanConfig(_Strict):
@@ -177,8 +193,11 @@ class EvalConfig(_Strict):
     samples_every: int | None = Field(None, gt=0,
                                       description="sample answers every N steps, and at step 0 and the end (null: "
                                                   "never)")
-    prompts: list[str] = Field(default_factory=list,
-                               description="prompts to sample (default: the first num_samples held-out prompts)")
+    prompts: list[str | list[dict[str, Any]]] = Field(
+        default_factory=list,
+        description="prompts to sample: user messages, or message lists ([{role: system, content: ...}, {role: user, "
+                    "...}]); a user message gets the run's dominant training system prompt (default: the first "
+                    "num_samples held-out prompts)")
     num_samples: int = Field(3, ge=0, description="held-out prompts to sample when prompts is empty")
     max_new_tokens: int = Field(64, gt=0, description="tokens per sample at most")
     temperature: float = Field(0.7, ge=0, description="sampling temperature (0: greedy)")
@@ -282,11 +301,40 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
     node[keys[-1]] = value
 
 
+def _keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of a config model, sections too (a list of models: its items' keys, under the list's
+    key)."""
+    out = []
+    for name, f in model.model_fields.items():
+        inner = [a for a in (get_args(f.annotation) or (f.annotation,)) if isinstance(a, type)]
+        sub = next((a for a in inner if issubclass(a, BaseModel)), None)
+        out += [prefix + name] + (_keys(sub, f"{prefix}{name}.") if sub is not None else [])
+    return out
+
+
+def closest_key(loc: tuple) -> str | None:
+    """The config key an unknown key was probably meant to be: a near name in its own section first, then a near
+    name (or another tool's alias) anywhere."""
+    name = str(loc[-1])
+    section = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
+    keys = _keys(RunConfig)
+    here = {k.rsplit(".", 1)[-1]: k for k in keys if (k.rsplit(".", 1)[0] if "." in k else "") == section}
+    found = get_close_matches(name, list(here), 1, 0.6)
+    if found:
+        return here[found[0]]
+    anywhere = {**{k.rsplit(".", 1)[-1]: k for k in keys}, **ALIASES}
+    found = get_close_matches(name, list(anywhere), 1, 0.75)
+    return anywhere[found[0]] if found else None
+
+
 def _format_validation(err: ValidationError, file: str | None) -> ConfigError:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            near = closest_key(e["loc"])
+            msg = "unknown key" + (f" (did you mean {near}?)" if near else "")
         lines.append(f"{key}: {msg}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and "input" in e and not isinstance(e["input"], dict) else ""))
     first = err.errors()[0]
     field = ".".join(str(p) for p in first["loc"]) or None

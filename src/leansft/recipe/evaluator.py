@@ -8,12 +8,12 @@ import logging
 from pathlib import Path
 
 import torch
-from rich.console import Console
 
 from leansft.core import distributed
-from leansft.core.inference.generation import generate
+from leansft.core.inference.generation import Conversation, generate
 from leansft.core.inference.heldout_loss import evaluate
-from leansft.core.progress import phase, plural
+from leansft.core.progress import console, phase, plural
+from leansft.recipe.system_prompt import dominant_system_prompt
 
 log = logging.getLogger("leansft")
 
@@ -45,7 +45,9 @@ class Evaluator:
         self.best: float | None = None
         self.bad_evals = 0
         self.should_stop = False
-        self.console = Console()
+        self.console = console()
+        trained = dominant_system_prompt(prep.report.as_dict())  # configured prompts get what the model learned under
+        self.conversation = Conversation(system=trained[0] if trained else None)
 
     def state(self) -> dict:
         """What a checkpoint keeps so early stopping continues exactly after a resume."""
@@ -109,7 +111,7 @@ class Evaluator:
                 torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):  # as the run computes
             answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
                                max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
-                               seed=self.cfg.training.seed)
+                               seed=self.cfg.training.seed, conversation=self.conversation)
         if distributed.rank() == 0:
             with (self.out / "samples.jsonl").open("a") as fh:
                 for p, a in zip(prompts, answers):

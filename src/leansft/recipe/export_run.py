@@ -31,6 +31,8 @@ from leansft.core.paths import default_cache_dir, resolve_package_path
 from leansft.core.progress import phase
 from leansft.recipe.builders import build_model, model_location
 from leansft.recipe.checkpointer import agreed_checkpoint
+from leansft.recipe.modelfile import write_modelfile
+from leansft.recipe.system_prompt import trained_system_prompt
 
 log = logging.getLogger("leansft")
 
@@ -140,8 +142,14 @@ def export_source(source: str, to: str, out: str, dtype: str = "f16", overwrite:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.hf-") as tmp:
             folder = export(model, tokenizer, chat, Path(tmp) / "hf", cfg, source)
+            stops = stop_token_ids(tokenizer, template)
             with phase(f"converting to GGUF ({dtype}) with llama.cpp's converter: {target}"):
-                return convert(folder, target, dtype, stop_token_ids(tokenizer, template), source)
+                written = convert(folder, target, dtype, stops, source)
+        trained = trained_system_prompt(source)
+        modelfile = write_modelfile(written, [tokenizer.decode([t]) for t in stops], trained[0] if trained else None)
+        if modelfile is not None:
+            log.info("Ollama: ollama create %s -f %s", written.stem, modelfile)
+        return written
     folder = export(model, tokenizer, chat, target, cfg, source)
     card = model_card_for(source, checkpoint, cfg, folder)
     if card is not None:

@@ -38,7 +38,7 @@ from leansft.core.model.neftune import NEFTune
 from leansft.core.model.qlora import dequantised_base
 from leansft.core.model.verify import check_position_table
 from leansft.core.paths import cache_dir
-from leansft.core.progress import phase, plural
+from leansft.core.progress import console, phase, plural
 from leansft.recipe.batches import Batcher, Prefetched
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -109,8 +109,9 @@ def train_step(engine: Engine, batches: list, counts: StepCounts, step: int,
     waits for nothing before the forward. The host reads the step back once (loss, gradient norm, stop requests,
     counts), after the update is queued, a non-finite loss or gradient norm making the fused AdamW skip the update
     on the device (``found_inf``, as GradScaler uses it): on CUDA the device runs on while the host reads. An
-    optimizer that is not fused reads before its update. ``stop`` is true when any rank had a stop signal: every rank gets the same answer at
-    the same step (a rank stopping alone would leave the others waiting in a collective)."""
+    optimizer that is not fused reads before its update. ``stop`` is true when any rank had a stop signal: every
+    rank gets the same answer at the same step (a rank stopping alone would leave the others waiting in a
+    collective)."""
     e = engine
     summed = None  # the counts over all ranks, on the device
     if e.world > 1:
@@ -232,12 +233,12 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
             window.add_time(seconds)
             state.advance(position, done.counts, seconds)
             guard.check(state.step, done.loss, done.grad_norm)
-            progress.update(state.step, done.loss, done.lr, done.counts.real)
             record = None
             if state.step % cfg.logging.log_every == 0 or state.step == total_steps:
                 record = {"step": state.step, "epoch": position.epoch, "loss": done.loss, "lr": done.lr,
                           "grad_norm": done.grad_norm, **window.record(), "tokens_seen": state.tokens_seen,
                           "examples_seen": state.examples_seen}
+            progress.update(state.step, done.loss, done.lr, done.counts.real, logged=record is not None)
             last = log_record(metrics, evaluator, record, state.step, evaluator.after_step(state.step, total_steps)) \
                 or last
             stopped = done.stop  # as every rank saw it at the step's all-reduce: they stop (and save) together
@@ -254,8 +255,19 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     metrics.write(run.record(state))  # the whole run's totals: wall time, time in steps, run-average rates
     if rank == 0:
         finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stopped)
+        if not stopped:
+            say_where(out, state.step, exported=cfg.checkpoint.export)
     distributed.barrier()
     return {**(last or {}), "stopped": stopped}
+
+
+def say_where(out: Path, step: int, exported: bool) -> None:
+    """The run's last line: where the model is and the command to talk to it."""
+    model = out / "final" if exported else out  # a run folder: chat, eval and export read its newest checkpoint
+    what = f"the model is in {model}" if exported else f"its checkpoints are in {out / 'checkpoints'}"
+    report = f"; report: {out / 'report.md'}" if (out / "report.md").exists() else ""
+    console().print(f"finished at step {step}: {what}{report}\ntalk to it: leansft chat {model}", soft_wrap=True,
+                    markup=False, highlight=False)  # a path stays whole and as it is
 
 
 def compute_dtype(cfg: RunConfig, amp: torch.dtype | None) -> str:

@@ -46,8 +46,12 @@ def _setup_logging(verbose: bool) -> None:
     from rich.logging import RichHandler
     from transformers.utils import logging as hf_logging
 
+    from leansft.core.progress import console
+
+    if not console().is_terminal:  # a file or a pipe: tables and lines at full width, not cut at 80 columns
+        console().width = max(console().width, 160)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(show_time=False, show_path=False)])
+                        handlers=[RichHandler(console=console(), show_time=False, show_path=False)])
     # under torchrun rank 0 tells the story; the other ranks speak up for warnings and errors only
     rank = int(os.environ.get("RANK", "0"))
     logging.getLogger("leansft").setLevel(logging.INFO if rank == 0 else logging.WARNING)
@@ -126,10 +130,13 @@ def cmd_plan(args) -> int:
         from leansft.tools.stats import recommend_max_length
 
         max_length = recommend_max_length(data.lengths)
-    summary = plan_summary(data.lengths, data.target_counts, max_length, args.batch_size, args.window, args.seed)
+    # as train packs: batching.tokens_per_micro_batch (at least max_length, as train requires)
+    micro = args.tokens_per_micro_batch or max(default(BatchingConfig, "tokens_per_micro_batch"), max_length)
+    summary = plan_summary(data.lengths, data.target_counts, max_length, args.batch_size, args.window, args.seed,
+                           tokens_per_micro_batch=micro)
     summary["preparation"] = prep.report.as_dict()
     if args.model:
-        summary["memory"] = _memory(args, args.tokens_per_micro_batch or summary["max_length"])
+        summary["memory"] = _memory(args, micro)
     print_plan(summary)
     if args.plot:
         plot_lengths(np.asarray(data.lengths), args.plot, summary["max_length"])
@@ -210,14 +217,14 @@ def _write_json(path: str | None, obj, indent: int | None = 2) -> None:
 
 # -- model commands: train, doctor, generate, chat, report, lm-eval ---------------------------------
 def cmd_train(args) -> int:
-    from leansft.recipe.train import main_train
-    from leansft.tools.doctor import run_doctor
-
     resume = args.resume
     if resume is not None and "=" in resume and not Path(resume).exists():  # `--resume k=v`: --resume, then k=v
         args.overrides.append(resume)
         resume = "auto"
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # a typo answers before seconds of torch imports
+    from leansft.recipe.train import main_train
+    from leansft.tools.doctor import run_doctor
+
     if args.doctor and run_doctor(cfg) != 0:
         return 1
     if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -250,43 +257,16 @@ def _source(args):
     return model, tok, template, cfg
 
 
-def _inference(args):
-    return _source(args)[:3]
-
-
-def _sampling(args) -> dict:
-    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "seed": args.seed}
-
-
 def cmd_generate(args) -> int:
-    from leansft.core.inference.generation import generate
+    from leansft.tools.chat import generate_answers
 
-    model, tok, template = _inference(args)
-    for prompt in args.prompt:
-        (answer,) = generate(model, tok, template, [prompt], **_sampling(args))
-        print(answer)
-    return 0
+    return generate_answers(args, _source)
 
 
 def cmd_chat(args) -> int:
-    from leansft.core.inference.generation import generate
+    from leansft.tools.chat import chat
 
-    model, tok, template = _inference(args)
-    history: list[dict] = []
-    print("leansft chat: empty line or Ctrl-D to quit")
-    while True:
-        try:
-            line = input("you> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        history.append({"role": "user", "content": line})
-        (answer,) = generate(model, tok, template, [history], **_sampling(args))
-        history.append({"role": "assistant", "content": answer})
-        print(f"model> {answer}")
-    return 0
+    return chat(args, _source)
 
 
 def cmd_report(args) -> int:
@@ -297,9 +277,19 @@ def cmd_report(args) -> int:
     return 0
 
 
+LLAMA_QUANTIZE = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q4_k_s", "q5_k_m", "q6_k")  # llama-quantize's, not ours
+
+
 def cmd_export(args) -> int:
     from leansft.recipe.export_run import export_source
 
+    if args.dtype in LLAMA_QUANTIZE:
+        stem = Path(args.out).with_suffix("")
+        raise LeanSFTError(
+            f"--dtype {args.dtype}: leansft writes f16, bf16, q8_0 or f32 (llama.cpp's converter); {args.dtype} is "
+            "llama.cpp's quantizer's work", field="--dtype",
+            hint=f"export with --dtype f16, then: llama-quantize {stem}.gguf {stem}-{args.dtype}.gguf "
+                 f"{args.dtype.upper()}")
     path = export_source(args.source, args.to, args.out, args.dtype, overwrite=args.overwrite,
                          trust_remote_code=args.trust_remote_code, base_model=args.base_model)
     print(f"wrote {path}")
@@ -342,6 +332,14 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=default(EvalConfig, "top_p"), help="nucleus sampling's mass")
     p.add_argument("--seed", type=int, default=default(TrainingConfig, "seed"), help="sampling seed")
+    p.add_argument("--system", default=None,
+                   help="system prompt: TEXT or @FILE (default: the one the run trained with where most of its "
+                        "conversations shared one, else the template's own default, which '' also asks for)")
+    p.add_argument("--tools", default=None, help="a JSON file of tool definitions the template renders "
+                                                 "(OpenAI's function format, as in tool-calling data)")
+    p.add_argument("--chat-template-kwargs", action="append", metavar="KEY=VALUE",
+                   help="an option of the chat template, e.g. enable_thinking=false (repeatable)")
+    p.add_argument("--show-prompt", action="store_true", help="print each prompt as the model reads it")
 
 
 def _add_plan_args(p: argparse.ArgumentParser, batch_size: int, window: int, seed: int) -> None:
@@ -409,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="precision of the memory estimate")
     sp.add_argument("--gradient-checkpointing", action="store_true", help="the memory estimate with checkpointing")
     sp.add_argument("--tokens-per-micro-batch", type=_positive, default=None,
-                    help="micro-batch of the memory estimate (default: max_length)")
+                    help="batching.tokens_per_micro_batch: packed micro-batches and the memory estimate (default: "
+                         "train's default, or max_length where that is longer)")
     sp.add_argument("--plot", default=None, help="write a length histogram to this .png")
     sp.set_defaults(func=cmd_plan)
 
@@ -461,7 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = _command(sub, "generate", help="answer prompts with the model's chat template")
     _add_generation_args(g)
-    g.add_argument("--prompt", required=True, action="append", help="a user message (repeatable)")
+    g.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    g.add_argument("--from", dest="source_file", default=None,
+                   help='a .jsonl of {"messages": [...]} or {"prompt": "..."} rows to answer (a trailing assistant '
+                        "turn is left out)")
+    g.add_argument("--out", default=None, help="write each --from row with its \"answer\" here (JSON lines)")
     g.set_defaults(func=cmd_generate)
 
     c = _command(sub, "chat", help="interactive chat with a model")
@@ -480,7 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--to", choices=["hf", "gguf"], default="hf",
                    help="hf: a plain Hugging Face model folder (safetensors, tokenizer, config); gguf: one GGUF file "
                         "for llama.cpp and friends (default: hf)")
-    x.add_argument("--dtype", choices=get_args(GGUFDType), default="f16", help="GGUF tensor type (norms stay f32)")
+    x.add_argument("--dtype", choices=get_args(GGUFDType) + LLAMA_QUANTIZE, default="f16",
+                   help="GGUF tensor type (norms stay f32); 4-bit and k-quant types come from llama.cpp's "
+                        "llama-quantize, run on the f16 file")
     x.add_argument("--overwrite", action="store_true",
                    help="replace an OUT that leansft did not export (an earlier export is replaced without it); "
                         "a run, a checkpoint or what the export reads is never replaced")

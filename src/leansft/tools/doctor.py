@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from leansft.core.batching.collate import collate_packed, collate_padded
@@ -36,7 +35,7 @@ from leansft.core.model.verify import (
     probe_segments,
     verify_model,
 )
-from leansft.core.progress import phase
+from leansft.core.progress import console, phase
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
     autocast_dtype,
@@ -309,7 +308,7 @@ def run_doctor(cfg: RunConfig, json_out: str | None = None) -> int:
     for c in checks:
         text = c.message + (f"\nfix: {c.fix}" if c.status == "FAIL" and c.fix else "")
         table.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", text)
-    Console().print(table)
+    console().print(table)
     if json_out:
         Path(json_out).write_text(json.dumps([asdict(c) for c in checks], indent=2, default=str))
     return 1 if any(c.status == "FAIL" for c in checks) else 0

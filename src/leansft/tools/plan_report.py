@@ -6,6 +6,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from leansft.core.progress import console as shared_console
 from leansft.core.progress import plural
 
 
@@ -39,7 +40,7 @@ def cleaning_line(prep: dict) -> str | None:
 
 
 def print_plan(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or shared_console()
     prep = summary.get("preparation", {})
     for src in prep.get("sources", []):
         if src.get("template"):
@@ -65,13 +66,18 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
     if cut:
         console.print(f"[yellow]note:[/] the attention work and rows below are for the examples cut at max_length "
                       f"{summary['max_length']} (the longest has {ls['max']:,} tokens)")
-    t = Table(title=f"batching strategies (batch size {summary['batch_size']} for padded/sorted)")
-    for col in ("strategy", "real-token share", "attention work", "rows/batches", "truncated", "split/cut"):
+    micro = summary.get("tokens_per_micro_batch")
+    t = Table(title=f"batching strategies (batch size {summary['batch_size']} for padded/sorted"
+                    + (f", {micro:,} tokens per packed micro-batch)" if micro else ")"))
+    for col in ("strategy", "real-token share", "attention work", "rows/batches", "micro-batches", "truncated",
+                "split/cut"):
         t.add_column(col, justify="right" if col != "strategy" else "left")
     for name, s in summary["strategies"].items():
         t.add_row(name, f"{s['real_token_share']:.1%}", f"{s['attention_work_ratio']:.2f}x", f"{s['rows']:,}",
-                  f"{s['truncated']:,}", f"{s['split']:,}")
+                  f"{s.get('micro_batches', s['rows']):,}", f"{s['truncated']:,}", f"{s['split']:,}")
     console.print(t)
+    console.print("real-token share: real tokens over the positions computed, as train logs it (pad = 1 - share); "
+                  "packed strategies pad nothing")
     if "wrapped" in summary["strategies"]:
         console.print("[yellow]note:[/] wrapped cuts examples mid-sequence (responses lose their start or end)")
     mem = summary.get("memory")

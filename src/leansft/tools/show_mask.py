@@ -96,6 +96,7 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em; }}
 .tool_call {{ background: #c6e6f5; }}
 .tool_result {{ background: #fbefc0; color: #555; }}
 .ctx {{ color: #777; }}
+.cut {{ color: #aaa; text-decoration: line-through; }}
 .trunc {{ color: #b00; }}
 .hidden {{ display: none; }}
 </style></head><body>
@@ -119,6 +120,10 @@ function filterExamples() {{
 """
 
 
+def _token_class(label: int, kind: str) -> str:
+    return ("loss " if label != IGNORE_INDEX else "") + ("ctx" if kind == "context" else kind)
+
+
 def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None = None,
               kinds: list[np.ndarray] | None = None, stops: str = "") -> str:
     """One self-contained page (inline CSS and script, nothing fetched) of the first ``n`` examples."""
@@ -126,14 +131,15 @@ def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None 
     shown = min(n, len(data))
     for i in range(shown):
         ids, labels = (a.tolist() for a in data.example(i))
-        n_loss = sum(1 for x in labels if x != IGNORE_INDEX)
-        total_loss += n_loss
         truncated = max_length is not None and len(ids) > max_length
+        cut = max_length if truncated else len(ids)  # tokens from here on are cut off: no loss, shown struck out
+        n_loss = sum(1 for x in labels[:cut] if x != IGNORE_INDEX)
+        total_loss += n_loss
         kind = [KINDS[k] for k in kinds[i]] if kinds else ["target" if x != IGNORE_INDEX else "context"
                                                               for x in labels]
         spans = "".join(
-            f'<span class="t {"loss " if lab != IGNORE_INDEX else ""}{"ctx" if k == "context" else k}" '
-            f'title="#{j} id {t}">{html.escape(tokenizer.decode([t]))}</span>'
+            f'<span class="t {_token_class(lab, k) if j < cut else "cut"}" '
+            f'title="#{j} id {t}{"" if j < cut else " (cut off)"}">{html.escape(tokenizer.decode([t]))}</span>'
             for j, (t, lab, k) in enumerate(zip(ids, labels, kind)))
         note = f' <span class="trunc">truncated at {max_length}</span>' if truncated else ""
         ends = html.escape(", ".join(stop_tokens(tokenizer, labels)) or "-")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from leansft.core.batching.packing import STRATEGIES, pack
+from leansft.core.batching.packing import PACKED, STRATEGIES, micro_batches, pack
 
 
 def length_stats(lengths: np.ndarray) -> dict[str, float]:
@@ -25,9 +25,11 @@ def recommend_max_length(lengths: np.ndarray) -> int:
 
 def strategy_table(
     lengths: np.ndarray, max_length: int, batch_size: int = 8, window: int = 512, seed: int = 0,
-    strategies: tuple[str, ...] = STRATEGIES,
+    strategies: tuple[str, ...] = STRATEGIES, tokens_per_micro_batch: int | None = None,
 ) -> dict[str, dict]:
-    """For each strategy: real-token share of slots, attention work vs. each example alone, rows, cuts.
+    """For each strategy, what ``leansft train`` does with these lengths (the same packer, seed and micro-batch
+    grouping as ``recipe.batches.Batcher``'s first epoch): real-token share of the positions computed (1 - the
+    padding share train logs), attention work vs. each example alone, rows, micro-batches, cuts.
 
     Attention work is the sum of L^2 over the blocks actually attended (padded batch: rows x longest^2;
     packed row with varlen attention: each piece alone) divided by the sum of each example's length^2.
@@ -38,10 +40,15 @@ def strategy_table(
     for s in strategies:
         plan = pack(s, lengths, max_length, batch_size=batch_size, window=window, seed=seed)
         slots = int(plan.slots.sum())
+        rows = plan.num_rows
+        if s in PACKED and tokens_per_micro_batch:
+            order = np.random.default_rng(seed).permutation(rows)
+            rows = len(micro_batches(plan, tokens_per_micro_batch, order))
         out[s] = {
             "real_token_share": float(plan.length.sum() / slots) if slots else 0.0,
             "attention_work_ratio": plan.attention_work / ideal,
             "rows": plan.num_rows,
+            "micro_batches": rows,
             "truncated": plan.truncated,
             "split": plan.split,
         }
@@ -56,7 +63,7 @@ def lognormal_lengths(n: int, median: float, sigma: float, cap: int, seed: int =
 
 def plan_summary(
     lengths: np.ndarray, target_counts: np.ndarray | None, max_length: int, batch_size: int = 8,
-    window: int = 512, seed: int = 0,
+    window: int = 512, seed: int = 0, tokens_per_micro_batch: int | None = None,
 ) -> dict:
     """The numbers ``leansft plan`` and ``leansft simulate`` print and write as JSON."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -72,5 +79,7 @@ def plan_summary(
         "truncated": int((lengths > max_length).sum()),
         "recommended_max_length": recommend_max_length(lengths),
         "batch_size": batch_size,
-        "strategies": strategy_table(lengths, max_length, batch_size, window, seed),
+        "tokens_per_micro_batch": tokens_per_micro_batch,
+        "strategies": strategy_table(lengths, max_length, batch_size, window, seed,
+                                     tokens_per_micro_batch=tokens_per_micro_batch),
     }

@@ -156,22 +156,6 @@ def collate_packed(data: TokenizedDataset, example: np.ndarray, start: np.ndarra
     )
 
 
-def micro_batches(plan: PackPlan, tokens_per_micro_batch: int, rows: np.ndarray | None = None) -> list[np.ndarray]:
-    """Group consecutive packed rows into micro-batches of at most ``tokens_per_micro_batch`` tokens."""
-    rows = np.arange(plan.num_rows) if rows is None else np.asarray(rows)
-    tokens = plan.row_tokens[rows]
-    groups, cur, used = [], [], 0
-    for r, t in zip(rows.tolist(), tokens.tolist()):
-        if cur and used + t > tokens_per_micro_batch:
-            groups.append(np.asarray(cur))
-            cur, used = [], 0
-        cur.append(r)
-        used += t
-    if cur:
-        groups.append(np.asarray(cur))
-    return groups
-
-
 def collate_rows(data: TokenizedDataset, plan: PackPlan, rows: np.ndarray) -> PackedBatch:
     """Packed batch of several plan rows (they are independent, so their pieces simply concatenate)."""
     idx = np.concatenate([np.arange(plan.row_offsets[r], plan.row_offsets[r + 1]) for r in rows])

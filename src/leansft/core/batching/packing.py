@@ -45,11 +45,18 @@ class PackPlan:
 
     @property
     def slots(self) -> np.ndarray:
-        """Tensor slots computed per row: max_length for a packed row, rows x longest for a padded batch."""
+        """Tensor positions computed per row, as training counts them (``padding_share = 1 - real / slots``): a
+        packed row's own tokens (padding-free: its pieces are concatenated, nothing pads it to max_length), rows x
+        longest for a padded batch."""
         if self.strategy in PACKED:
-            return np.full(self.num_rows, self.max_length, dtype=np.int64)
+            return self.row_tokens
         longest = np.maximum.reduceat(self.length, self.row_offsets[:-1]) if self.num_rows else np.zeros(0, np.int64)
         return longest * self.row_sizes
+
+    @property
+    def fill(self) -> float:
+        """A packed plan's tokens over its rows' capacity (rows x max_length): how tightly the packer fills them."""
+        return float(self.length.sum() / max(self.num_rows * self.max_length, 1))
 
     @property
     def attention_work(self) -> float:
@@ -238,6 +245,22 @@ def pack(strategy: str, lengths, max_length: int, *, batch_size: int = 8, window
     if strategy == "padded":
         return padded(lengths, max_length, batch_size, seed)
     raise ValueError(f"unknown strategy '{strategy}'; expected one of {', '.join(STRATEGIES)}")
+
+
+def micro_batches(plan: PackPlan, tokens_per_micro_batch: int, rows: np.ndarray | None = None) -> list[np.ndarray]:
+    """Group consecutive packed rows into micro-batches of at most ``tokens_per_micro_batch`` tokens."""
+    rows = np.arange(plan.num_rows) if rows is None else np.asarray(rows)
+    tokens = plan.row_tokens[rows]
+    groups, cur, used = [], [], 0
+    for r, t in zip(rows.tolist(), tokens.tolist()):
+        if cur and used + t > tokens_per_micro_batch:
+            groups.append(np.asarray(cur))
+            cur, used = [], 0
+        cur.append(r)
+        used += t
+    if cur:
+        groups.append(np.asarray(cur))
+    return groups
 
 
 def deal_to_ranks(row_tokens: np.ndarray, world_size: int) -> list[np.ndarray]:

@@ -212,6 +212,7 @@ def _cache_key(src: SourceConfig, cfg: DataConfig, tok_fp: str, template: ChatTe
     for part in (
         CACHE_VERSION, fingerprint(src.path), src.format, src.split, tok_fp, template.source, cfg.loss_on,
         cfg.reasoning, cfg.multi_turn, str(cfg.clean.pii_scrub), cfg.on_bad_row, str(cfg.clean.drop_no_assistant),
+        *([json.dumps(src.columns, sort_keys=True)] if src.columns else []),  # (keys without columns as before)
     ):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:32]
@@ -322,6 +323,7 @@ def build_dataset(
         keep &= ~over
     else:
         report.truncated = int(over.sum())
+    whole = data.select(np.flatnonzero(keep))
     data = data.select(np.flatnonzero(keep), max_length=cfg.max_length if truncate else None)
     empty = data.target_counts == 0
     report.no_target_tokens = int(empty.sum())
@@ -329,5 +331,30 @@ def build_dataset(
         data = data.select(np.flatnonzero(~empty))
     report.examples = len(data)
     if len(data) == 0:
-        raise DataError("no examples left after cleaning", field="data", hint=json.dumps(report.as_dict())[:400])
+        raise _nothing_left(report, cfg, whole, truncate)
     return data, report
+
+
+def _nothing_left(report: PrepReport, cfg: DataConfig, whole: TokenizedDataset, truncate: bool) -> DataError:
+    """The error when cleaning left nothing: the counts, the setting that removed them, and the number to use."""
+    read = sum(src["examples"] for src in report.sources)
+    removed = [f"{n:,} {what}" for n, what in (
+        (report.duplicates_removed, "duplicates (data.clean.dedupe)"),
+        (report.too_short, f"shorter than data.clean.min_tokens {cfg.clean.min_tokens}"),
+        (report.too_long, f"longer than data.clean.max_tokens {cfg.clean.max_tokens}"),
+        (report.dropped_over_length, f"longer than data.max_length {cfg.max_length} (data.truncation: drop)"),
+        (report.no_target_tokens, "without a target token" + (
+            f" once cut at data.max_length {cfg.max_length}" if truncate and report.truncated else ""))) if n]
+    message = f"no examples left: {read:,} read; removed " + "; ".join(removed)
+    hint = "check the data.clean settings"
+    if len(whole):
+        prompts, lengths = whole.prompt_lengths, whole.lengths
+        p99 = int(np.percentile(lengths, 99))
+        if truncate and cfg.max_length <= int(prompts.min()) or report.dropped_over_length:
+            message += (f". Every prompt is at least {int(prompts.min()):,} tokens long (examples: median "
+                        f"{int(np.median(lengths)):,}, p99 {p99:,})")
+            hint = (f"raise data.max_length to about {p99 + 1:,} (keeps 99% of the examples whole; `leansft plan` "
+                    "recommends one)")
+    elif report.duplicates_removed or report.too_short or report.too_long:
+        hint = "every example was removed by cleaning: relax data.clean (dedupe, min_tokens, max_tokens)"
+    return DataError(message, field="data.max_length" if "max_length" in hint else "data.clean", hint=hint)

@@ -313,6 +313,26 @@ def convert_row(row: dict[str, Any], fmt: str, file: str, number: int) -> Conver
     """Convert one raw row; ``fmt`` must be a concrete format (resolve ``auto`` first)."""
     if fmt not in CONVERTERS:
         raise DataError(f"unknown format '{fmt}'; expected one of {', '.join(FORMATS)}", file=file, field="format")
-    conv = CONVERTERS[fmt](_Row(row, file, number))
+    try:
+        conv = CONVERTERS[fmt](_Row(row, file, number))
+    except DataError as err:
+        looks = [f for f in _matches(row) if f != fmt]
+        if len(looks) != 1:
+            raise
+        raise DataError(err.message, file=err.file, row=err.row, field=err.field,
+                        hint=f"the rows look like '{looks[0]}', not '{fmt}': use format {looks[0]} (or auto)") from None
     conv.row = number
     return conv
+
+
+def map_columns(row: dict[str, Any], columns: dict[str, str], file: str, number: int) -> dict[str, Any]:
+    """``row`` with its columns renamed to a format's keys (``columns: {prompt: question, completion: answer}``:
+    a ``question,answer`` CSV read as prompt_completion); the other columns are left as they are."""
+    missing = [c for c in columns.values() if c not in row]
+    if missing:
+        raise DataError(f"no column {missing[0]!r} (data columns: {', '.join(map(str, row)) or 'none'})",
+                        file=file, row=number, field="columns")
+    renamed = set(columns.values())
+    out = {k: v for k, v in row.items() if k not in renamed}
+    out.update({key: row[column] for key, column in columns.items()})
+    return out

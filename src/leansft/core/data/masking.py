@@ -91,8 +91,9 @@ def resolve_template(tokenizer, template: str | None) -> ChatTemplate:
         if not own:
             raise TemplateError(
                 f"tokenizer '{getattr(tokenizer, 'name_or_path', '?')}' has no chat template",
-                field="template",
-                hint=f"choose one explicitly: template: {' | '.join(BUILTIN_TEMPLATES)} | path/to/template.jinja",
+                field="data.template",
+                hint=f"choose one explicitly: data.template in a config, --template on the command line: "
+                     f"{' | '.join(BUILTIN_TEMPLATES)} | path/to/template.jinja",
             )
         return ChatTemplate("tokenizer", own)
     if template in BUILTIN_TEMPLATES:
@@ -102,12 +103,12 @@ def resolve_template(tokenizer, template: str | None) -> ChatTemplate:
     path = Path(template)
     if path.suffix in (".jinja", ".j2", ".txt") or path.is_file():
         if not path.is_file():
-            raise TemplateError("template file not found", file=template, field="template")
+            raise TemplateError("template file not found", file=template, field="data.template")
         return ChatTemplate(str(path), path.read_text(encoding="utf-8"))
     raise TemplateError(
         f"unknown template '{template}'",
-        field="template",
-        hint=f"use auto, one of {', '.join(BUILTIN_TEMPLATES)}, or a .jinja file",
+        field="data.template",
+        hint=f"data.template (--template): auto, one of {', '.join(BUILTIN_TEMPLATES)}, or a .jinja file",
     )
 
 

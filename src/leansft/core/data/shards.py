@@ -20,15 +20,15 @@ from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from leansft.core.config import DataConfig, SourceConfig
 from leansft.core.data.clean import content_hash, scrub
-from leansft.core.data.formats import Conversation, convert_row, detect_format
+from leansft.core.data.formats import Conversation, convert_row, detect_format, map_columns
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, Encoded
 from leansft.core.data.sources import parse_row, read_raw_rows
 from leansft.core.errors import DataError, LeanSFTError, TemplateError
+from leansft.core.progress import console
 
 log = logging.getLogger("leansft")
 SHARD = 1024  # rows per shard at most: the unit of parallel work, of memory, and of the encoder's batches
@@ -48,6 +48,21 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+TOP_SYSTEM_PROMPTS = 8  # per shard and source: enough to find one that most conversations share
+
+
+def system_prompts(convs: list[Conversation]) -> Counter:
+    """How many conversations open with each system prompt (``chat`` offers the one that dominated training)."""
+    return Counter(c.messages[0]["content"] for c in convs if c.messages and c.messages[0]["role"] == "system"
+                   and isinstance(c.messages[0].get("content"), str))
+
+
+def _row(src: SourceConfig, raw: str | dict, number: int) -> dict:
+    """One raw row parsed, its columns renamed as ``columns`` says."""
+    row = parse_row(raw, src.path, number)
+    return map_columns(row, src.columns, src.path, number) if src.columns else row
+
+
 def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
     """Rows -> conversations -> examples as flat arrays, with this shard's counts."""
     src: SourceConfig = _JOB["src"]
@@ -55,9 +70,8 @@ def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
     encoder: ChatEncoder = _JOB["encoder"]
     convs, bad, no_assistant, pii = [], [], 0, Counter()
     for number, raw in shard:
-        row = parse_row(raw, src.path, number)
-        try:
-            conv = convert_row(row, _JOB["format"], src.path, number)
+        try:  # a line that is not JSON is a bad row too (data.on_bad_row: skip leaves it out)
+            conv = convert_row(_row(src, raw, number), _JOB["format"], src.path, number)
         except DataError as err:
             if cfg.on_bad_row == "error":
                 raise
@@ -114,6 +128,7 @@ def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
         "targets": targets.astype(np.int64, copy=False), "prompts": prompts,
         "rows": np.asarray(rows, dtype=np.int64), "hashes": np.asarray(hashes, dtype=np.int64),
         "rows_read": len(shard), "bad": bad, "no_assistant": no_assistant, "pii": pii, "template": encoder.stats,
+        "system_prompts": system_prompts(convs).most_common(TOP_SYSTEM_PROMPTS),
         "conversations": len(convs), "max_id": int(flat_ids.max()) if len(flat_ids) else -1,
         "weights": list(weights),
     }
@@ -192,11 +207,10 @@ class _Progress:
     def __init__(self, path: str) -> None:
         self.path, self.t0, self.last_log = path, time.perf_counter(), time.perf_counter()
         self.conversations = self.tokens = 0
-        console = Console(stderr=True)
         self.bar = None
-        if console.is_terminal:
+        if console().is_terminal:  # the console the log lines go to: they print above the live line
             self.bar = Progress(TextColumn("preparing {task.description}"), TextColumn("{task.fields[info]}"),
-                                TimeElapsedColumn(), console=console, transient=True)
+                                TimeElapsedColumn(), console=console(), transient=True)
             self.task = self.bar.add_task(Path(path).name, info="")
             self.bar.start()
 
@@ -231,7 +245,7 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
         raise DataError("no rows (empty data)", file=src.path)
     fmt = src.format
     if fmt == "auto":
-        fmt = detect_format(parse_row(first[1], src.path, first[0]), src.path, first[0])
+        fmt = detect_format(_row(src, first[1], first[0]), src.path, first[0])
         log.info("%s: detected format '%s' from row %d", src.path, fmt, first[0])
     _JOB.update(src=src, cfg=cfg, encoder=encoder, format=fmt)
     workers = cfg.num_workers or cpu_count()
@@ -241,6 +255,7 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
     bad: list[str] = []
     pii: Counter = Counter()
     template: Counter = Counter()
+    systems: Counter = Counter()
     progress, tokens, max_id = _Progress(src.path), 0, -1
     table: dict[float, int] = {}  # the source's fractional weights -> loss code, in order of first appearance
     files = {name: (folder / f"{name}.bin").open("wb") for name in TOKEN_FILES}
@@ -267,6 +282,7 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
             bad += shard["bad"][: max(0, 5 - len(bad))]
             pii.update(shard["pii"])
             template.update(shard["template"])
+            systems.update(dict(shard["system_prompts"]))
             progress.update(shard["conversations"], len(shard["input_ids"]))
         finished = True
     finally:
@@ -279,4 +295,5 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
                 else np.zeros(0, np.int64))
     meta.update(format=fmt, rows_read=counts["rows_read"], bad_rows=counts["bad_rows"], bad_row_examples=bad,
                 no_assistant=counts["no_assistant"], pii_replaced=dict(pii), template=dict(template), tokens=tokens,
-                max_token_id=max_id, weights=list(table))
+                max_token_id=max_id, weights=list(table),
+                system_prompts=[[text, n] for text, n in systems.most_common(TOP_SYSTEM_PROMPTS)])

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from leansft.core.errors import ModelError
 from leansft.core.gguf.read import faithful_gguf_tokenizer
-from leansft.core.paths import resolve_package_path
+from leansft.core.paths import HUB_HINT, hub_unreachable, resolve_package_path
 
 
 def load_tokenizer(spec: str, trust_remote_code: bool = False):
@@ -34,12 +34,13 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
         elif path.exists():
             raise ModelError("not a tokenizer: expected a folder, a tokenizer.json or a .gguf file", file=spec)
         else:
-            tok = AutoTokenizer.from_pretrained(spec, **kw)
+            tok = AutoTokenizer.from_pretrained(spec, local_files_only=hub_unreachable(), **kw)
     except ModelError:
         raise
     except Exception as err:
         where = "local tokenizer" if path.exists() else "tokenizer (no local path of that name; tried the Hub)"
-        raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
+        raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec,
+                         hint=None if path.exists() else HUB_HINT) from None
     if not getattr(tok, "is_fast", False):
         raise ModelError("a fast (Rust) tokenizer is required for offsets and batched tokenisation", file=spec)
     tok.generation_eos_ids = _generation_eos_ids(path if path.is_dir() else path.parent)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,11 +24,40 @@ def generation_mode(model):
         model.train(was_training)
 
 
+@dataclass
+class Conversation:
+    """What the template renders besides the messages: a system prompt (put first where the messages have none),
+    tool definitions, and the template's own options (``enable_thinking=False``)."""
+
+    system: str | None = None
+    tools: list[dict] | None = None
+    template_kwargs: dict = field(default_factory=dict)
+
+    def messages(self, prompt: str | list[dict]) -> list[dict]:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.system is not None and not (messages and messages[0].get("role") == "system"):
+            messages.insert(0, {"role": "system", "content": self.system})
+        return messages
+
+    def render(self, tokenizer, template: ChatTemplate, prompt: str | list[dict]) -> str:
+        """The prompt as the model reads it, ending in the generation prompt."""
+        return tokenizer.apply_chat_template(self.messages(prompt), tools=self.tools, chat_template=template.source,
+                                             add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+
+    def ids(self, tokenizer, template: ChatTemplate, prompt: str | list[dict]) -> list[int]:
+        return tokenizer.apply_chat_template(self.messages(prompt), tools=self.tools, chat_template=template.source,
+                                             add_generation_prompt=True, tokenize=True, return_dict=False,
+                                             **self.template_kwargs)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, template: ChatTemplate, prompts: list, *, max_new_tokens: int = 64,
-             temperature: float = 0.7, top_p: float = 0.9, seed: int = 0) -> list[str]:
+             temperature: float = 0.7, top_p: float = 0.9, seed: int = 0,
+             conversation: Conversation | None = None) -> list[str]:
     """Answer each prompt: a user string, a message list, or already rendered prompt token ids (ending in
-    the generation prompt). Sampling is reproducible for a seed."""
+    the generation prompt). ``conversation``: the system prompt, tools and template options of the first two.
+    Sampling is reproducible for a seed."""
+    conversation = conversation or Conversation()
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer, template)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
@@ -36,9 +66,7 @@ def generate(model, tokenizer, template: ChatTemplate, prompts: list, *, max_new
         for i, prompt in enumerate(prompts):
             torch.manual_seed(seed + i)
             if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                ids = tokenizer.apply_chat_template(messages, chat_template=template.source,
-                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+                ids = conversation.ids(tokenizer, template, prompt)
             else:
                 ids = [int(t) for t in prompt]
             input_ids = torch.tensor([list(ids)], device=device)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from leansft.core.batching.collate import collate_padded, collate_rows, micro_batches
-from leansft.core.batching.packing import bfd
+from leansft.core.batching.collate import collate_padded, collate_rows
+from leansft.core.batching.packing import bfd, micro_batches
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.model.attention import PACKED_SAFE
 from leansft.core.model.forward import hidden_states

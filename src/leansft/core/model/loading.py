@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from leansft.core.errors import ModelError
 from leansft.core.gguf.read import complete_from_gguf
-from leansft.core.paths import default_cache_dir, resolve_package_path
+from leansft.core.paths import HUB_HINT, default_cache_dir, hub_unreachable, resolve_package_path
 from leansft.core.progress import phase
 
 log = logging.getLogger("leansft")
@@ -37,10 +37,11 @@ def load_model_config(spec: str, trust_remote_code: bool = False):
                                               trust_remote_code=trust_remote_code)
         if path.is_file():
             return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        return AutoConfig.from_pretrained(spec, local_files_only=path.exists(),
+        return AutoConfig.from_pretrained(spec, local_files_only=path.exists() or hub_unreachable(),
                                           trust_remote_code=trust_remote_code)
     except Exception as err:
-        raise ModelError(f"cannot load model config: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
+        raise ModelError(f"cannot load model config: {type(err).__name__}: {str(err)[:300]}", file=spec,
+                         hint=None if path.exists() else HUB_HINT) from None
 
 
 GGUF_CONVERSION = "3"  # bumped when a conversion changes: folders converted before are not reused (2: rope
@@ -109,11 +110,13 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: Path | 
     place = {"device_map": {"": str(device)}} if device is not None else {}
     try:
         with phase(f"loading {spec} ({str(dtype).removeprefix('torch.')})"):
-            return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=path.exists(),
+            return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype,
+                                                        local_files_only=path.exists() or hub_unreachable(),
                                                         trust_remote_code=trust_remote_code, **place)
     except Exception as err:
         where = "local model" if path.exists() else "model (no local path of that name; tried the Hub)"
-        raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
+        raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec,
+                         hint=None if path.exists() else HUB_HINT) from None
 
 
 def apply_lora(model, lora_cfg):
