@@ -254,6 +254,8 @@ class DistributedConfig(_Strict):
                                              description="ddp (DistributedDataParallel) or fsdp (FSDP2) under torchrun")
     timeout_s: int = Field(600, gt=0, description="seconds a collective waits for every rank before the run stops "
                                                   "naming the timeout (a stopped or partitioned peer)")
+    context_parallel: int = Field(1, ge=1, description="ranks each packed row is split over along the sequence "
+                                                       "(Ulysses attention); the world size must be a multiple of it")
 
 
 class RunConfig(_Strict):
@@ -270,6 +272,13 @@ class RunConfig(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     cpu: CPUConfig = Field(default_factory=CPUConfig)
+
+    @model_validator(mode="after")
+    def _context_parallel_packs(self):
+        if self.distributed.context_parallel > 1 and self.batching.strategy not in PACKED_STRATEGIES:
+            raise ValueError(f"distributed.context_parallel {self.distributed.context_parallel} splits packed rows: "
+                             f"batching.strategy {self.batching.strategy} pads instead (use bfd, bfd_split or wrapped)")
+        return self
 
     @model_validator(mode="after")
     def _qlora_fits(self):

@@ -20,7 +20,7 @@ import torch.distributed as tdist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from leansft.core.errors import LeanSFTError
+from leansft.core.errors import ConfigError, LeanSFTError
 
 
 def is_distributed() -> bool:
@@ -261,16 +261,16 @@ def writers_first(storage: Storage):
             barrier()
 
 
-def all_reduce_sum(value, device: torch.device):
-    """Sum a number or tensor over ranks; returns the same kind it was given."""
+def all_reduce_sum(value, device: torch.device, group=None):
+    """Sum a number or tensor over ranks (of ``group``: default all); returns the same kind it was given."""
     if not is_distributed():
         return value
     if torch.is_tensor(value):
         t = value.detach().clone()
-        tdist.all_reduce(t)
+        tdist.all_reduce(t, group=group)
         return t
     t = torch.tensor(float(value), device=device, dtype=torch.float64)
-    tdist.all_reduce(t)
+    tdist.all_reduce(t, group=group)
     return type(value)(t.item())
 
 
@@ -309,3 +309,35 @@ def _fsdp_no_sync(module):
         yield
     finally:
         module.set_requires_gradient_sync(True)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Where this rank sits: its data-parallel place (which micro-batches it reads) and its context-parallel place
+    (which share of each row it runs; ``core/model/context_parallel``)."""
+
+    dp_rank: int
+    dp_size: int
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: object = None
+
+
+def mesh(context_parallel: int) -> Mesh:
+    """The ranks as a data-parallel x context-parallel grid (torch's DeviceMesh; the ranks of a context group
+    are consecutive, so on one node where a node holds a group). Every rank a data-parallel place of its own
+    without context parallelism."""
+    world = world_size()
+    if context_parallel == 1:
+        return Mesh(rank(), world)
+    if world % context_parallel:
+        raise ConfigError(f"distributed.context_parallel {context_parallel} does not divide the world size {world}",
+                          field="distributed.context_parallel",
+                          hint="launch a multiple of context_parallel ranks (torchrun --nproc_per_node)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    grid = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world // context_parallel,
+                            context_parallel), mesh_dim_names=("dp", "cp"))
+    return Mesh(grid.get_local_rank("dp"), world // context_parallel, grid.get_local_rank("cp"), context_parallel,
+                grid.get_group("cp"))
+

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from leansft.core.batching.collate import PackedBatch, PaddedBatch, collate_padded, collate_rows
+from leansft.core.batching.context_shard import context_shard
 from leansft.core.batching.packing import PACKED, PackPlan, deal_to_ranks, micro_batches, pack
 from leansft.core.config import BatchingConfig
 from leansft.core.data.dataset import TokenizedDataset
@@ -27,9 +28,11 @@ class Position:
 
 class Batcher:
     def __init__(self, data: TokenizedDataset, cfg: BatchingConfig, max_length: int, pad_id: int, seed: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, context: tuple[int, int] = (0, 1)) -> None:
+        """``rank``/``world_size``: the data-parallel place; ``context``: (place, size) in a context-parallel group,
+        whose ranks read the same micro-batches and each keep its share of every row."""
         self.data, self.cfg, self.max_length, self.pad_id, self.seed = data, cfg, max_length, pad_id, seed
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.context = rank, world_size, context
         self._epoch_cache: tuple[int, PackPlan, list[np.ndarray]] | None = None
 
     @property
@@ -68,7 +71,7 @@ class Batcher:
 
     def collate(self, plan: PackPlan, rows: np.ndarray) -> PackedBatch | PaddedBatch:
         if self.packed:
-            return collate_rows(self.data, plan, rows)
+            return context_shard(collate_rows(self.data, plan, rows), *self.context)
         (row,) = rows
         return collate_padded(self.data, plan.row(int(row))[0], self.pad_id, self.max_length)
 

@@ -166,9 +166,12 @@ def _refuse_held(out: Path, views: list[tuple[str, str | None]]) -> None:
 
 
 def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int,
-                 storage: distributed.Storage | None = None) -> tuple[Path | None, int]:
+                 storage: distributed.Storage | None = None, data_parallel: int | None = None
+                 ) -> tuple[Path | None, int]:
     """The checkpoint to resume from (None: a fresh start) and the gradient accumulation that keeps its global
-    step, decided alike on every rank (``agreed_checkpoint``). A step that cannot be kept is refused."""
+    step, decided alike on every rank (``agreed_checkpoint``). A step that cannot be kept is refused. The step
+    is counted in micro-batches over the data-parallel ranks (``data_parallel``, default ``world``): the ranks of
+    a context-parallel group share theirs."""
     accum = cfg.batching.gradient_accumulation
     storage = storage or distributed.Storage.one_folder()
     if storage.writer():  # the run holds output_dir (``run_lock``): a .tmp-* there is an earlier run's, killed
@@ -178,16 +181,17 @@ def resume_point(cfg: RunConfig, out: Path, resume: str | None, world: int,
     if path is None:
         return None, accum
     saved = json.loads((path / "state.json").read_text())
-    per_step = saved.get("world_size", 1) * saved.get("gradient_accumulation", accum)
-    if per_step % world:
+    readers, was = data_parallel or world, saved.get("data_parallel", saved.get("world_size", 1))
+    per_step = was * saved.get("gradient_accumulation", accum)
+    if per_step % readers:
         raise LeanSFTError(
-            f"the checkpoint's step is {per_step} micro-batches ({saved.get('world_size', 1)} ranks x accumulation "
-            f"{saved.get('gradient_accumulation', accum)}), which {world} ranks cannot split evenly", file=str(path),
-            hint="resume on a world size that divides it")
-    if per_step // world != accum and distributed.rank() == 0:
-        log.warning("resuming a %d-rank run on %d ranks: gradient_accumulation %d -> %d keeps the same global step",
-                    saved.get("world_size", 1), world, accum, per_step // world)
-    return path, per_step // world
+            f"the checkpoint's step is {per_step} micro-batches ({was} data-parallel ranks x accumulation "
+            f"{saved.get('gradient_accumulation', accum)}), which {readers} data-parallel ranks cannot split evenly",
+            file=str(path), hint="resume on a data-parallel size (world / context_parallel) that divides it")
+    if per_step // readers != accum and distributed.rank() == 0:
+        log.warning("resuming a run of %d data-parallel ranks on %d: gradient_accumulation %d -> %d keeps the same "
+                    "global step", was, readers, accum, per_step // readers)
+    return path, per_step // readers
 
 
 def agreed_checkpoint(out: Path, resume: str | None, storage: distributed.Storage, sharded: bool) -> Path | None:
@@ -330,6 +334,7 @@ class Checkpointer:
         step = extra.pop("step")
         extra.update(eval_loss=evaluator.get("last_eval_loss"), evaluator=evaluator,
                      gradient_accumulation=self.cfg.batching.gradient_accumulation,
+                     data_parallel=distributed.world_size() // self.cfg.distributed.context_parallel,
                      data_fingerprint=self.data_fingerprint)
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra,

@@ -12,6 +12,7 @@ import torch
 from leansft.core import distributed
 from leansft.core.inference.generation import Conversation, generate
 from leansft.core.inference.heldout_loss import evaluate
+from leansft.core.model.context_parallel import whole_rows
 from leansft.core.progress import console, phase, plural
 from leansft.recipe.system_prompt import dominant_system_prompt
 
@@ -71,9 +72,10 @@ class Evaluator:
         return [self.prep.eval.example(i)[0][: prompt_lengths[i]].tolist() for i in range(n)]
 
     def run_eval(self) -> dict:
-        return evaluate(self.model, self.prep.eval, self.cfg.data.max_length,
-                        self.cfg.batching.tokens_per_micro_batch, self.cfg.training.loss_chunk_size, self.device,
-                        self.amp, self.sharded)
+        with whole_rows(self.model):  # every rank evaluates whole rows (context parallelism splits training's)
+            return evaluate(self.model, self.prep.eval, self.cfg.data.max_length,
+                            self.cfg.batching.tokens_per_micro_batch, self.cfg.training.loss_chunk_size, self.device,
+                            self.amp, self.sharded)
 
     def after_step(self, step: int, total: int) -> dict | None:
         """Run what is due at ``step`` (0 = before training): samples are written, eval fields returned."""

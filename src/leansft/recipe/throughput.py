@@ -73,7 +73,8 @@ class ThroughputWindow:
         for b in batches:
             c += StepCounts(b.target_tokens, b.target_weight, b.real_tokens, int(b.input_ids.numel()),
                             b.examples_begun, step_flops(self.body_flops, self.layers, self.hidden, b.real_tokens,
-                                                         attended_squares(b), self.head_flops, b.target_tokens))
+                                                         attended_squares(b) / getattr(b, "context", (0, 1))[1],
+                                                         self.head_flops, b.target_tokens))  # a split row: 1/N each
         return c
 
     def add(self, step: StepCounts) -> None:

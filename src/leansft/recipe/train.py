@@ -54,6 +54,7 @@ from leansft.recipe.builders import (
     verified_strategy,
 )
 from leansft.recipe.checkpointer import Checkpointer, claim_output_dir, finished_run, resume_point
+from leansft.recipe.context_parallel import split_rows
 from leansft.recipe.divergence import DivergenceGuard
 from leansft.recipe.evaluator import Evaluator
 from leansft.recipe.metrics_log import MetricsLog, truncate_jsonl
@@ -174,7 +175,8 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     run = RunTotals()
     cfg = cfg.model_copy(deep=True)  # strategy/accumulation may change below; the caller's config stays as given
     rank, world, device = distributed.rank(), distributed.world_size(), pick_device()
-    resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world, storage)
+    grid = distributed.mesh(cfg.distributed.context_parallel)  # data-parallel x context-parallel places
+    resume_from, cfg.batching.gradient_accumulation = resume_point(cfg, out, resume, world, storage, grid.dp_size)
     done = distributed.broadcast_object(finished_run(resume_from, cfg) if rank == 0 else None)  # rank 0 has the logs
     if done is not None:  # before any model loads; nothing in the run folder is touched
         log.info("nothing left to train: %s finished at step %d (its final model, report and metrics are left as "
@@ -196,12 +198,13 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer), precision)
     store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad_id(data.tokenizer), device, amp)
     batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), cfg.training.seed,
-                      rank, world)
+                      grid.dp_rank, grid.dp_size, (grid.cp_rank, grid.cp_size))
     total_steps = count_steps(cfg, batcher)
     neftune = NEFTune(model, cfg.training.neftune_noise_alpha) if cfg.training.neftune_noise_alpha else None
-    loss_module = distributed.wrap(LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune,
-                                              precision),
-                                   cfg.distributed.strategy, device, mixed_precision=amp is not None)
+    loss_module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune, precision)
+    if grid.cp_size > 1:  # checked on the whole model, before DDP or FSDP wraps it
+        split_rows(cfg, model, loss_module, batcher, grid, device, amp)
+    loss_module = distributed.wrap(loss_module, cfg.distributed.strategy, device, mixed_precision=amp is not None)
     sharded = world > 1 and cfg.distributed.strategy == "fsdp"
     engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
     checkpointer = Checkpointer(cfg, out, loss_module, engine.optimizer, engine.scheduler, sharded,
@@ -218,7 +221,8 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     log.info("training %s, %s batches, %s attention, %s, %s, %s trainable params%s", plural(total_steps, "step"),
              cfg.batching.strategy, model.config._attn_implementation, compute_dtype(cfg, amp), cfg.training.method,
              f"{sum(p.numel() for p in engine.params):,}",
-             f", {cfg.distributed.strategy.upper()} over {world} ranks" if world > 1 else ""),
+             (f", {cfg.distributed.strategy.upper()} over {world} ranks" if world > 1 else "")
+             + (f", each row split over {grid.cp_size} of them (context parallel)" if grid.cp_size > 1 else ""))
     last = log_record(metrics, evaluator, None, 0, evaluator.after_step(0, total_steps) if state.step == 0 else None)
     steps = Prefetched(batcher.steps(state.position, cfg.batching.gradient_accumulation), depth=2,
                        pin=device.type == "cuda")

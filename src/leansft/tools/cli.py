@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from leansft.core.config import (
     BatchingConfig,
     DataConfig,
+    DistributedConfig,
     EvalConfig,
     GGUFDType,
     LossOn,
@@ -147,12 +148,15 @@ def cmd_plan(args) -> int:
 
 def _memory(args, tokens: int) -> dict:
     from leansft.core.model.loading import load_model_config
-    from leansft.tools.memory import ModelShape, estimate_memory
+    from leansft.tools.memory import ModelShape, estimate_memory, recommend_context_parallel
 
     shape = ModelShape.from_config(load_model_config(args.model))
-    mem = estimate_memory(shape, tokens, method=args.method, precision=args.precision,
-                          gradient_checkpointing=args.gradient_checkpointing)
+    kw = {"method": args.method, "precision": args.precision, "gradient_checkpointing": args.gradient_checkpointing}
+    mem = estimate_memory(shape, tokens, context_parallel=args.context_parallel, **kw)
     mem.update(method=args.method, precision=args.precision)
+    if args.device_memory:
+        mem["device_memory"] = int(args.device_memory * 2**30)
+        mem["recommended_context_parallel"] = recommend_context_parallel(shape, tokens, mem["device_memory"], **kw)
     return mem
 
 
@@ -406,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training method of the memory estimate")
     sp.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="precision of the memory estimate")
     sp.add_argument("--gradient-checkpointing", action="store_true", help="the memory estimate with checkpointing")
+    sp.add_argument("--context-parallel", type=_positive, default=default(DistributedConfig, "context_parallel"),
+                    help="distributed.context_parallel of the memory estimate: each rank holds 1/N of a row's "
+                         "activations")
+    sp.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                    help="one device's memory in GiB: the plan then recommends a context-parallel size where a "
+                         "micro-batch would not fit whole")
     sp.add_argument("--tokens-per-micro-batch", type=_positive, default=None,
                     help="batching.tokens_per_micro_batch: packed micro-batches and the memory estimate (default: "
                          "train's default, or max_length where that is longer)")

@@ -76,10 +76,13 @@ def estimate_memory(
     chunk_size: int = 1024,
     lora_r: int = 16,
     bf16_base: bool = True,
+    context_parallel: int = 1,
 ) -> dict:
-    """Bytes by part for one micro-batch of ``tokens`` tokens, plus the dominant part. ``precision`` bf16 is
-    autocast (``training.precision`` bf16/auto on hardware with bf16 units). ``bf16_base``: LoRA under bf16 holds
-    its frozen linear weights in bf16 (``training.lora.bf16_base``; False where the run keeps them in fp32)."""
+    """Bytes by part, on one rank, for one micro-batch of ``tokens`` tokens, plus the dominant part. ``precision``
+    bf16 is autocast (``training.precision`` bf16/auto on hardware with bf16 units). ``bf16_base``: LoRA under bf16
+    holds its frozen linear weights in bf16 (``training.lora.bf16_base``; False where the run keeps them in fp32).
+    ``context_parallel``: the row split over that many ranks, each holding its share's activations and logits."""
+    full_tokens, tokens = tokens, -(-tokens // context_parallel)
     p = shape.params
     b = 2 if precision == "bf16" else 4  # activations' bytes
     linear = shape.layers * shape.linear_params_per_layer
@@ -115,7 +118,8 @@ def estimate_memory(
     return {
         "params": p,
         "trainable_params": trainable,
-        "tokens": tokens,
+        "tokens": full_tokens,
+        "context_parallel": context_parallel,
         "parts": parts,
         "total": sum(parts.values()),
         "dominant": max(parts, key=parts.get),
@@ -126,3 +130,15 @@ def estimate_memory(
         "logits_full_fp32": logits_fp32,
         "logits_chunked": chunked_logits,
     }
+
+
+def recommend_context_parallel(shape: ModelShape, tokens: int, budget: int, **kw) -> int | None:
+    """The smallest context-parallel size (a power of two the attention heads divide, as the split needs) whose
+    per-rank estimate fits in ``budget`` bytes; 1 where the row fits whole, None where no size does."""
+    n = 1
+    while shape.heads % n == 0:
+        if estimate_memory(shape, tokens, context_parallel=n, **kw)["total"] <= budget:
+            return n
+        n *= 2
+    return None
+

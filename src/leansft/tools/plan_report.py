@@ -82,7 +82,9 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
         console.print("[yellow]note:[/] wrapped cuts examples mid-sequence (responses lose their start or end)")
     mem = summary.get("memory")
     if mem:
-        mt = Table(title=f"memory estimate: {mem['method']}, {mem['tokens']:,} tokens per micro-batch, {mem['precision']}")
+        split = mem.get("context_parallel", 1)
+        mt = Table(title=f"memory estimate: {mem['method']}, {mem['tokens']:,} tokens per micro-batch, {mem['precision']}"
+                         + (f", per rank of context_parallel {split}" if split > 1 else ""))
         mt.add_column("part")
         mt.add_column("bytes", justify="right")
         for k, v in mem["parts"].items():
@@ -94,6 +96,12 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
             f"{_gb(mem['activations_without_checkpointing'])}; the loss's logits: chunked {_gb(mem['logits_chunked'])}, "
             f"a model's own loss {_gb(mem['logits_full_loss'])} (logits, fp32 log-softmax and its gradient)"
         )
+        if "recommended_context_parallel" in mem:
+            n = mem["recommended_context_parallel"]
+            console.print(f"on {_gb(mem['device_memory'])} a device: " + (
+                "no context-parallel size the heads allow fits; lower max_length or tokens_per_micro_batch, or use "
+                "gradient checkpointing" if n is None else "fits whole" if n == 1 else
+                f"recommended distributed.context_parallel: {n} (each rank holds 1/{n} of a row)"))
 
 
 def plot_lengths(lengths: np.ndarray, path: str, max_length: int | None = None) -> None:

@@ -69,15 +69,20 @@ class PackedBatch(_Targets):
     weights: torch.Tensor | None = None  # [1, T]
     target_index: HostRead | None = None
     segment_sizes: HostRead | None = None  # set by ``to``: the pieces' lengths, read on the host from cu_seqlens
+    # A context-parallel share of a row (``context_shard``): (this rank's place, ranks); its labels run one token
+    # past its tokens (the next share's first label), and ``padding`` tokens at its end only fill the split.
+    context: tuple[int, int] = (0, 1)
+    padding: int = 0
 
     @property
     def real_tokens(self) -> int:
-        return int(self.input_ids.numel())
+        return int(self.input_ids.numel()) - self.padding
 
     @property
     def examples_begun(self) -> int:
-        """Examples whose first piece is here: an example split across micro-batches counts once."""
-        return int((self.starts == 0).sum())
+        """Examples whose first piece is here: an example split across micro-batches counts once (a row split over
+        a context group: on its first rank)."""
+        return int((self.starts == 0).sum()) if self.context[0] == 0 else 0
 
     def to(self, device) -> PackedBatch:
         """On ``device``, with what the forward and the loss read on the host (segment lengths, target positions)
@@ -87,7 +92,8 @@ class PackedBatch(_Targets):
         labels, cu = _to(self.labels, device), _to(self.cu_seqlens, device)
         return PackedBatch(_to(self.input_ids, device), labels, _to(self.position_ids, device), cu, self.max_seqlen,
                            self.examples, self.starts, None if self.weights is None else _to(self.weights, device),
-                           target_index=self._moved_targets(labels, device), segment_sizes=HostRead.of(sizes, cu))
+                           target_index=self._moved_targets(labels, device), segment_sizes=HostRead.of(sizes, cu),
+                           context=self.context, padding=self.padding)
 
     def pin_memory(self) -> PackedBatch:
         """The batch in page-locked host memory (for a CUDA run; done ahead, on the batch thread)."""

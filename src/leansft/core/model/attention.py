@@ -37,7 +37,8 @@ log = logging.getLogger("leansft")
 VARLEN = "leansft_sdpa_varlen"
 FLEX = "leansft_flex"
 TORCH_VARLEN = "leansft_torch_varlen"
-PACKED_SAFE = {VARLEN, FLEX, TORCH_VARLEN, "flash_attention_2", "flash_attention_3"}
+CONTEXT_PARALLEL = "leansft_context_parallel"  # one of the above across a context group (core/model/context_parallel)
+PACKED_SAFE = {VARLEN, FLEX, TORCH_VARLEN, CONTEXT_PARALLEL, "flash_attention_2", "flash_attention_3"}
 HALF_ONLY = {TORCH_VARLEN, "flash_attention_2", "flash_attention_3"}  # kernels that compute in bf16/fp16 only
 _PLAIN = "_leansft_plain_attention"
 # Segments up to this length attend in fp32 on the CPU when the run is bf16/fp16: the CPU's bf16 flash kernel is

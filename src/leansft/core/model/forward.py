@@ -64,4 +64,6 @@ class LossModule(torch.nn.Module):
         if self.neftune is not None:
             self.neftune.set_batch(batch)
         hidden = hidden_states(self.model, batch)
+        if getattr(batch, "context", (0, 1))[1] > 1:  # a context share: its labels run one token past its tokens
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, 1))
         return loss_of(self.model, batch, hidden, self.chunk_size, self.backend, self.precision)[0]

@@ -1,0 +1,119 @@
+"""Context parallelism (issue 68): a packed row split along the sequence over torchrun ranks (gloo) computes what
+one process computes, in the loss, the gradients, every step of a run and its resume on another split."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import run_config, tiny_model
+from test_distributed import launch, losses, records, weights, write
+
+from leansft.core import distributed
+from leansft.core.config import load_config
+from leansft.core.errors import ConfigError
+from leansft.core.model.context_parallel import check_supported
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_split_row_gives_one_process_loss_and_gradients_for_llama_qwen2_and_gemma3(tmp_path):
+    """Two ranks, one packed row of four examples (two cross the share boundary, the last share padded): the loss
+    summed over the ranks and the gradients summed over them equal the whole row's in one process (Gemma 3: its
+    sliding-window layer and one key/value head repeated to the two ranks); each rank keeps under 0.6x the
+    activations of the whole row."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    worker = Path(__file__).with_name("context_parallel_worker.py")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", str(worker)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["model"] for r in found] == ["llama", "qwen2", "gemma3"]
+    for r in found:
+        assert r["loss"] == pytest.approx(r["whole_loss"], rel=1e-5) and r["grad_rel"] < 1e-5, r
+        assert r["tokens"] == r["whole_tokens"], r  # real tokens and targets counted once over the ranks
+        assert r["peak_share"] < 0.6 * r["peak_whole"], r
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_run_assets):
+    """6 steps in one process (accumulation 2), saving at step 3: the run every split must repeat."""
+    tmp = tmp_path_factory.mktemp("cp_single")
+    cfg = run_config(tmp, tiny_run_assets, "checkpoint.export=true", "training.learning_rate=1e-3",
+                     "checkpoint.save_every=3")
+    launch(write(cfg, tmp / "c.yaml"), 1)
+    return Path(cfg.output_dir)
+
+
+def test_cp2_then_dp2_x_cp2_under_fsdp_resumed_train_the_one_process_run(tmp_path, tiny_run_assets, one_process):
+    """cp=2 on two ranks (DDP) trains the one-process losses and weights; its step-3 checkpoint resumed on four
+    ranks, two data-parallel places x two context ranks under FSDP, trains steps 4-6 as one process did."""
+    cfg = run_config(tmp_path, tiny_run_assets, "checkpoint.export=true", "training.learning_rate=1e-3",
+                     "checkpoint.save_every=3", "checkpoint.keep_last=2", "distributed.context_parallel=2",
+                     f"data.cache_dir={one_process.parent / 'cache'}")
+    said = launch(write(cfg, tmp_path / "c.yaml"), 2)
+    assert "each row split over 2 of them (context parallel)" in said, said[-2000:]
+    run, ref = Path(cfg.output_dir), losses(one_process)
+    assert losses(run) == pytest.approx(ref, rel=1e-5)
+    for key in ("tokens_seen", "examples_seen"):  # a split row's tokens and examples counted once
+        assert [r[key] for r in records(run)] == [r[key] for r in records(one_process)]
+    a, b = weights(one_process), weights(run)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(run / "checkpoints" / "step-3", resumed / "checkpoints" / "step-3")
+    for name in ("metrics.jsonl", "config.yaml"):
+        shutil.copy(run / name, resumed / name)
+    launch(str(tmp_path / "c.yaml"), 4, f"output_dir={resumed}", "distributed.strategy=fsdp", "--resume", "auto")
+    assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4, 5, 6]
+    assert losses(resumed) == pytest.approx(ref, rel=1e-5)
+    c = weights(resumed)
+    assert max(float((a[k] - c[k]).abs().max()) for k in a) < 1e-5
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["batching.strategy=sorted"], "splits packed rows: batching.strategy sorted pads"),
+    (["distributed.context_parallel=0"], "distributed.context_parallel"),
+])
+def test_what_the_config_cannot_split_is_refused(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, ["model=m", "distributed.context_parallel=2", *overrides])
+
+
+def test_what_the_split_would_compute_otherwise_is_refused(monkeypatch):
+    model = tiny_model("llama")  # 4 heads, 2 key/value heads
+    check_supported(model, 2)
+    check_supported(model, 4)  # key/value heads repeated to 4
+    with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
+        check_supported(model, 3)
+    with pytest.raises(ConfigError, match="draw random numbers per token"):
+        check_supported(model, 2, neftune=True)
+    with pytest.raises(ConfigError, match="draw random numbers per token"):
+        check_supported(model, 2, lora_dropout=0.1)
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ConfigError, match=r"otherwise than by attention \(linear_attention\)"):
+        check_supported(model, 2)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(ConfigError, match="context_parallel 4 does not divide the world size 2"):
+        distributed.mesh(4)
+
+
+def test_plan_recommends_a_context_parallel_size_where_a_row_does_not_fit(tmp_path):
+    from leansft.tools.memory import ModelShape, estimate_memory, recommend_context_parallel
+
+    shape = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, tied=False)
+    whole = estimate_memory(shape, 131072, method="lora", gradient_checkpointing=True)
+    half = estimate_memory(shape, 131072, method="lora", gradient_checkpointing=True, context_parallel=2)
+    assert half["parts"]["activations"] == whole["parts"]["activations"] // 2
+    assert half["parts"]["weights"] == whole["parts"]["weights"]
+    n = recommend_context_parallel(shape, 131072, 80 * 2**30, method="lora", gradient_checkpointing=True)
+    assert n is not None and n > 1
+    assert estimate_memory(shape, 131072, method="lora", gradient_checkpointing=True,
+                           context_parallel=n)["total"] <= 80 * 2**30
