@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import shutil
 import subprocess
@@ -29,27 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tokenize import WORDS, qwen25_tokenizer  # noqa: E402
-
-
-def conversations(n: int, pairs: int, seed: int = 0) -> list[dict]:
-    """``n`` conversations of ``pairs`` user/assistant pairs (1: the "two-turn" chat of the issue)."""
-    rng = random.Random(seed)
-
-    def say(k: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + "."
-
-    return [{"messages": [m for _ in range(pairs) for m in (
-        {"role": "user", "content": say(rng.randint(5, 40))},
-        {"role": "assistant", "content": say(rng.randint(20, 120))})]} for _ in range(n)]
-
-
-def plain(tok, rows: list[dict]) -> tuple[float, int]:
-    texts = tok.apply_chat_template([r["messages"] for r in rows], tokenize=False)
-    t0 = time.perf_counter()
-    n = sum(len(ids) for i in range(0, len(texts), 1024)
-            for ids in tok(texts[i : i + 1024], add_special_tokens=False)["input_ids"])
-    return time.perf_counter() - t0, n
+from bench_tokenize import conversations, plain, qwen25_tokenizer  # noqa: E402  (same rows, same plain side)
 
 
 def plan(data: Path, tok_dir: Path, cache: Path) -> tuple[float, int, int]:
