@@ -78,6 +78,38 @@ def test_cp2_then_dp2_x_cp2_under_fsdp_resumed_train_the_one_process_run(tmp_pat
     assert max(float((a[k] - c[k]).abs().max()) for k in a) < 1e-5
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_six_steps_of_qwen2_and_gemma3_split_over_two_ranks_are_one_process(tmp_path, tiny_run_assets, arch):
+    """Qwen2 (biases, tied embeddings) and Gemma 3 (a sliding-window layer, one key/value head repeated to the two
+    ranks, scaled embeddings): 6 steps at cp=2 train the one-process losses and weights."""
+    import transformers as tf
+
+    folder = tmp_path / arch
+    torch_model = (tiny_model("qwen2", vocab_size=len(tf.AutoTokenizer.from_pretrained(tiny_run_assets["model"])))
+                   if arch == "qwen2" else None)
+    if arch == "gemma3":
+        import torch
+
+        torch.manual_seed(0)
+        cfg = tf.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=1, head_dim=16, sliding_window=8, max_position_embeddings=512,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  vocab_size=len(tf.AutoTokenizer.from_pretrained(tiny_run_assets["model"])))
+        torch_model = tf.AutoModelForCausalLM.from_config(cfg)
+    torch_model.save_pretrained(folder)
+    tf.AutoTokenizer.from_pretrained(tiny_run_assets["model"]).save_pretrained(folder)
+    assets = {**tiny_run_assets, "model": str(folder)}
+    runs = {}
+    for name, nproc, extra in (("one", 1, []), ("split", 2, ["distributed.context_parallel=2"])):
+        cfg = run_config(tmp_path / name, assets, "checkpoint.export=true", "training.learning_rate=1e-4",
+                         f"data.cache_dir={tmp_path / 'cache'}", *extra)
+        launch(write(cfg, tmp_path / f"{name}.yaml"), nproc)
+        runs[name] = Path(cfg.output_dir)
+    assert losses(runs["split"]) == pytest.approx(losses(runs["one"]), rel=1e-5)
+    a, b = weights(runs["one"]), weights(runs["split"])
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (["batching.strategy=sorted"], "splits packed rows: batching.strategy sorted pads"),
     (["distributed.context_parallel=0"], "distributed.context_parallel"),
