@@ -3,6 +3,7 @@ one process computes, in the loss, the gradients, every step of a run and its re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_config, tiny_model
-from test_distributed import launch, losses, records, weights, write
+from test_distributed import _alive, _children, launch, losses, records, weights, write
 
 from leansft.core import distributed
 from leansft.core.config import load_config
@@ -76,6 +77,56 @@ def test_cp2_then_dp2_x_cp2_under_fsdp_resumed_train_the_one_process_run(tmp_pat
     assert losses(resumed) == pytest.approx(ref, rel=1e-5)
     c = weights(resumed)
     assert max(float((a[k] - c[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_a_split_run_killed_then_resumed_unsplit_trains_the_one_process_run(tmp_path, tiny_run_assets, one_process):
+    """cp=2 on two ranks, every rank killed with SIGKILL as soon as the step-2 checkpoint is in place; resumed in one
+    process (cp=1): the run ends with the one-process losses."""
+    import signal
+    import time
+
+    cfg = run_config(tmp_path, tiny_run_assets, "training.learning_rate=1e-3", "checkpoint.save_every=2",
+                     "checkpoint.keep_last=5", "distributed.context_parallel=2",
+                     f"data.cache_dir={one_process.parent / 'cache'}")
+    path = write(cfg, tmp_path / "c.yaml")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "leansft", "train", path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = Path(cfg.output_dir)
+    deadline = time.monotonic() + 240
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "step-2").is_dir() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        everyone = [proc.pid, *_children(proc.pid)]  # torchrun and its workers
+        for pid in everyone:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        while (any(_alive(pid) for pid in everyone) or _locked(run)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the kernel drops a killed process's lock as it goes: a moment after it is gone
+    saved = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    assert saved and saved[-1] < 6, saved  # killed mid-run
+    launch(path, 1, "distributed.context_parallel=1", "--resume", "auto")
+    assert losses(run) == pytest.approx(losses(one_process), rel=1e-5)
+
+
+def _locked(run: Path) -> bool:
+    """Whether some process still holds ``run``'s run lock."""
+    import fcntl
+
+    from leansft.core.io.run_lock import LOCK
+
+    fd = os.open(run / LOCK, os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # (dropping the lock if it was taken here)
+    return False
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
