@@ -153,6 +153,41 @@ def test_a_second_run_on_a_held_folder_refuses_and_a_killed_holder_leaves_no_loc
     assert (run / run_lock.LOCK).read_text() == ""  # a run that ended leaves no holder named
 
 
+def test_a_run_deletes_only_what_leansft_wrote_in_its_folders(tmp_path, trained, tiny_run_assets, capsys):
+    """A fresh run on a folder holding a user's files of the names a run writes refuses before changing anything;
+    in a run folder's checkpoints/ a user's ``step-N`` without a manifest and ``.tmp-*`` of other names outlive a
+    resume's cleanup and the pruning of old checkpoints, and a step to save over a user's folder is refused."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("# my notes\n")
+    (mine / "metrics.jsonl").write_text("my measurements\n")
+    before = tree(mine)
+    cfg = config_file(tmp_path, tiny_run_assets, f"output_dir={mine}", "training.max_steps=3")
+    refused(capsys, main(["train", cfg]), "output_dir holds config.yaml, metrics.jsonl", "no leansft run wrote them")
+    assert tree(mine) == before
+
+    run = a_copy(trained, tmp_path)
+    folder = run / "checkpoints"
+    kept = {folder / "step-1": "not leansft's", folder / ".tmp-mine": "notes", folder / ".tmp-step-x": "notes"}
+    for path, text in kept.items():
+        path.mkdir()
+        (path / "notes.txt").write_text(text)
+    cfg = config_file(tmp_path, tiny_run_assets, f"output_dir={run}", "training.max_steps=4",
+                      "checkpoint.save_every=1", "checkpoint.keep_last=1")
+    assert main(["train", cfg, "--resume", "auto"]) == 0
+    for path, text in kept.items():
+        assert (path / "notes.txt").read_text() == text, path
+    assert sorted(p.name for p in folder.iterdir() if ckpt.ours(p)) == ["step-4"]  # leansft's older steps pruned
+
+    run = a_copy(trained, tmp_path / "again")
+    (run / "checkpoints" / "step-3").mkdir()
+    (run / "checkpoints" / "step-3" / "notes.txt").write_text("mine")
+    cfg = config_file(tmp_path, tiny_run_assets, f"output_dir={run}", "training.max_steps=3",
+                      "checkpoint.save_every=1")
+    refused(capsys, main(["train", cfg, "--resume", "auto"]), "step-3 exists and is not a leansft checkpoint")
+    assert (run / "checkpoints" / "step-3" / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.slow
 def test_two_runs_started_together_on_one_fresh_folder_train_once(tmp_path, tiny_run_assets):
     cfg = config_file(tmp_path, tiny_run_assets, "training.max_steps=2")

@@ -140,7 +140,15 @@ def claim_output_dir(cfg: RunConfig, out: Path) -> distributed.Storage:
     """Hold ``out`` for this run (``run_lock``) and say how the ranks share it (``checkpoint_storage``). Rank 0 takes
     the lock before anything in the folder changes; once the storage check has shown which ranks see their own
     folder (node-local disks), the first rank of each other group takes its folder's. A folder another run holds is
-    one refusal, in the same words on every rank."""
+    one refusal, in the same words on every rank. So is a folder holding files of the names a run writes that no
+    leansft run wrote (``foreign_files``): the run would replace them."""
+    foreign = foreign_files(out) if distributed.rank() == 0 else []
+    if distributed.world_size() > 1:
+        foreign = distributed.broadcast_object(foreign)
+    if foreign:
+        raise LeanSFTError(f"output_dir holds {', '.join(foreign)}, which a run would replace, and no leansft run "
+                           "wrote them", file=str(out),
+                           hint="choose another output_dir (an empty or new folder); nothing was changed")
     refusal = run_lock.acquire(out) if distributed.rank() == 0 else None
     try:
         _refuse_held(out, [(distributed.whoami(), refusal)] if distributed.world_size() == 1
@@ -152,6 +160,19 @@ def claim_output_dir(cfg: RunConfig, out: Path) -> distributed.Storage:
         run_lock.release(out)
         raise
     return storage
+
+
+RUN_FILES = ("config.yaml", "data_report.json", "metrics.jsonl", "samples.jsonl", "report.md", "report.png", "final")
+
+
+def foreign_files(out: Path) -> list[str]:
+    """The files in ``out`` a run would replace (``RUN_FILES``) where no leansft run has used ``out``: it holds
+    neither the run lock's file (left by every run since) nor a checkpoint with a manifest (an older run's)."""
+    if not out.is_dir() or (out / run_lock.LOCK).exists():
+        return []
+    if any((p / ckpt.MANIFEST).is_file() for p in ckpt.list_checkpoints(out / "checkpoints")):
+        return []
+    return [name for name in RUN_FILES if (out / name).exists() or (out / name).is_symlink()]
 
 
 def _refuse_held(out: Path, views: list[tuple[str, str | None]]) -> None:

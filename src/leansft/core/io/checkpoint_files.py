@@ -214,7 +214,10 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
 
     def rename():
         if writer:
-            if final.exists():
+            if final.exists():  # this step saved again (a resumed run): an earlier copy leansft wrote is replaced
+                if not ours(final):
+                    raise LeanSFTError(f"{final} exists and is not a leansft checkpoint (no {MANIFEST} or state.json)",
+                                       file=str(final), hint="move it out of the checkpoints folder")
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(folder)
@@ -501,11 +504,19 @@ def list_checkpoints(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
+def ours(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint leansft wrote, if damaged (it holds ``MANIFEST`` or ``state.json``): the
+    only folders of ``checkpoints/`` that are ever deleted, beside the temporary ones of its own name."""
+    return path.is_dir() and not path.is_symlink() and any((path / f).is_file() for f in (MANIFEST, "state.json"))
+
+
 def clean_unfinished(folder: Path) -> None:
-    """Remove the temporary folders of checkpoints whose write never finished (a crash, a killed node)."""
+    """Remove the temporary folders of checkpoints whose write never finished (a crash, a killed node): the
+    ``.tmp-step-N`` ones ``save_checkpoint`` names, nothing else."""
     if folder.is_dir():
-        for tmp in folder.glob(".tmp-*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+        for tmp in folder.glob(f".tmp-{PREFIX}*"):
+            if tmp.name[len(f".tmp-{PREFIX}"):].isdigit() and tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prune(folder: Path, keep_last: int, keep_best: int) -> list[Path]:
@@ -524,6 +535,6 @@ def prune(folder: Path, keep_last: int, keep_best: int) -> list[Path]:
             scored.append((loss, int(p.name[len(PREFIX):]), p))
     keep |= {p for _, _, p in sorted(scored)[:keep_best]}
     for p in found:
-        if p not in keep:
+        if p not in keep and ours(p):
             shutil.rmtree(p, ignore_errors=True)
     return [p for p in found if p in keep]
