@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_shapes import SHAPES, make_model, run_overrides, write_chats  # noqa: E402
+from recipe_parts import build_parts  # noqa: E402
 from results import emit, sync  # noqa: E402
 from timing import recipe_steps_timed  # noqa: E402
 
@@ -64,43 +65,19 @@ def run_recipe(over: list[str], warmup: int, steps: int) -> dict:
 
 def run_bare(over: list[str], warmup: int, steps: int) -> dict:
     """The same model, loss module, optimizer and batches as the recipe's, in a loop of nothing else."""
-    from leansft.core.config import PACKED_STRATEGIES, load_config
-    from leansft.core.data.prepare import prepare_data
-    from leansft.core.data.tokenizer import pad_id
     from leansft.core.metrics.flops import device_peak_flops
     from leansft.core.model.compile import compile_counts
-    from leansft.core.model.forward import LossModule
     from leansft.core.model.grad_clip import clip_gradients
     from leansft.core.model.loading import trainable_parameters
     from leansft.core.model.loss import normalise
-    from leansft.recipe.batches import Batcher, Position
-    from leansft.recipe.builders import (
-        autocast_dtype,
-        build_model,
-        build_optimizer,
-        head_precision,
-        model_location,
-        pick_device,
-        seed_everything,
-        store_frozen_base,
-    )
-    from leansft.recipe.throughput import ThroughputWindow
+    from leansft.recipe.builders import build_optimizer
 
-    cfg = load_config(None, over)
-    device = pick_device()
-    seed_everything(cfg.training.seed)
-    path = model_location(cfg)
-    data = prepare_data(cfg.data, cfg.tokenizer or path, seed=cfg.training.seed)
-    pad = pad_id(data.tokenizer)
-    model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, path)
-    amp = autocast_dtype(cfg.training.precision, device)
-    store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad, device, amp)
-    module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend,
-                        precision=head_precision(cfg, device, amp))
+    parts = build_parts(over)
+    cfg, device, model, module, amp = parts.cfg, parts.device, parts.model, parts.module, parts.amp
     opt = build_optimizer(cfg, model, device)
     params = [p for _, p in trainable_parameters(model)]
-    window = ThroughputWindow(model, device, None, 1)
-    source = Batcher(data.train, cfg.batching, cfg.data.max_length, pad, cfg.training.seed).steps(Position(), 1)
+    window = parts.window()
+    source = parts.batches()
     pin = device.type == "cuda"
     steps_ = [[b.pin_memory() if pin else b for b in next(source)[0]] for _ in range(warmup + steps)]
     counts = [window.count(bs) for bs in steps_]

@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_shapes import make_model, run_overrides, write_chats  # noqa: E402
+from recipe_parts import build_parts  # noqa: E402
 from results import emit, sync  # noqa: E402
 
 WORK = Path(os.environ.get("LEANSFT_BENCH_WORK", "runs")) / "profile_gpu"  # where its models and data go
@@ -63,39 +64,9 @@ def union_us(spans: list[tuple[float, float]]) -> float:
 
 
 def build(over: list[str]):
-    """What ``train()`` builds before its loop, with the recipe's own builders."""
-    from leansft.core.config import PACKED_STRATEGIES, load_config
-    from leansft.core.data.prepare import prepare_data
-    from leansft.core.data.tokenizer import pad_id
-    from leansft.core.model.forward import LossModule
-    from leansft.recipe.batches import Batcher, Position, Prefetched
-    from leansft.recipe.builders import (
-        autocast_dtype,
-        build_model,
-        head_precision,
-        model_location,
-        pick_device,
-        seed_everything,
-        store_frozen_base,
-    )
-    from leansft.recipe.throughput import ThroughputWindow
-    from leansft.recipe.train import build_engine
-
-    cfg = load_config(None, over)
-    device = pick_device()
-    seed_everything(0)
-    path = model_location(cfg)
-    data = prepare_data(cfg.data, cfg.tokenizer or path, seed=0)
-    pad = pad_id(data.tokenizer)
-    model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, path)
-    amp = autocast_dtype(cfg.training.precision, device)
-    store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad, device, amp)
-    module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend,
-                        precision=head_precision(cfg, device, amp))
-    engine = build_engine(cfg, model, module, 1000, device, amp, 1)
-    steps = Prefetched(Batcher(data.train, cfg.batching, cfg.data.max_length, pad, 0).steps(Position(), 1),
-                       pin=device.type == "cuda")
-    return engine, steps, ThroughputWindow(model, device, None, 1)
+    """What ``train()`` builds before its loop, with the recipe's own builders (``recipe_parts``)."""
+    parts = build_parts(over)
+    return parts.engine(), parts.batches(ahead=True), parts.window()
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -33,6 +33,7 @@ from leansft.core.cpu.malloc import reexec_with_malloc_settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import measured_peak  # noqa: E402
+from recipe_parts import build_parts  # noqa: E402
 
 WORK = Path("runs/profile")
 ALPACA = Path(__file__).parents[1] / "examples" / "data" / "alpaca_en_demo.json"
@@ -61,36 +62,10 @@ def overrides(workload: str, precision: str, compile_: str, method: str = "lora"
 
 
 def build(over: list[str]):
-    """What ``train()`` builds before its loop: engine, batch iterator, throughput window."""
-    from leansft.core.config import PACKED_STRATEGIES, load_config
-    from leansft.core.data.prepare import prepare_data
-    from leansft.core.data.tokenizer import pad_id
-    from leansft.core.model.forward import LossModule
-    from leansft.recipe.batches import Batcher, Position
-    from leansft.recipe.builders import (
-        autocast_dtype,
-        build_model,
-        head_precision,
-        model_location,
-        pick_device,
-        seed_everything,
-        verified_strategy,
-    )
-    from leansft.recipe.throughput import ThroughputWindow
-    from leansft.recipe.train import build_engine
-
-    cfg = load_config(None, over)
-    device = pick_device()
-    seed_everything(0)
-    path = model_location(cfg)
-    data = prepare_data(cfg.data, cfg.tokenizer or path, seed=0)
-    model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, path)
-    cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer))
-    batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), 0)
-    amp = autocast_dtype(cfg.training.precision, device)
-    loss_module = LossModule(model, cfg.training.loss_chunk_size, precision=head_precision(cfg, device, amp))
-    engine = build_engine(cfg, model, loss_module, 1000, device, amp, 1)
-    return engine, batcher.steps(Position(), 1), ThroughputWindow(model, device, None, 1), amp
+    """What ``train()`` builds before its loop (``recipe_parts``, the check before step 1 included): engine, batch
+    iterator (collated in the step, so the profile's "data" phase shows it), throughput window, autocast dtype."""
+    parts = build_parts(over, verify=True)
+    return parts.engine(), parts.batches(), parts.window(), parts.amp
 
 
 MATMUL = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation", "_linear_pointwise"}
