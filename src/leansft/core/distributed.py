@@ -17,8 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from leansft.core.errors import ConfigError, LeanSFTError
 
@@ -278,6 +276,11 @@ def wrap(module: torch.nn.Module, strategy: str, device: torch.device, mixed_pre
     """DDP, or FSDP2 (fully_shard per transformer block, then the root); unchanged when single-process."""
     if not is_distributed():
         return module
+    # imported here: FSDP's modules take a third of a second to import, which commands that only read data
+    # (``plan``, ``show-mask``) would pay for nothing
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     if strategy == "ddp":
         return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
     kw = {}
