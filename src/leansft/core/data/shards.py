@@ -9,6 +9,7 @@ for any number of workers (shards never depend on it).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -179,6 +180,7 @@ def _one_thread_tokenizer() -> None:
     """In a worker: the Rust tokenizer on this process's thread alone. The workers already fill every core; its own
     threads on top of them only contended (2 workers on 2 cores: 2% faster without)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    gc.freeze()
 
 
 def _map_shards(fn: Callable, shards: Iterator[list], workers: int) -> Iterator[dict]:
