@@ -8,6 +8,7 @@ from helpers import CHAT, build_tiny_bpe, trl_template
 
 from leansft.core.data.formats import Conversation
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, resolve_template
+from leansft.core.data.shared_prefix import _independent, _splitters
 from leansft.core.errors import TemplateError
 
 # (fixture, template, end-of-turn text, what the model generates before the last answer's content)
@@ -312,8 +313,42 @@ def test_a_span_read_off_its_edge_tokens_matches_the_full_offset_scan(request, l
     fast = 0
     for c0 in range(len(text)):
         for c1 in range(c0 + 1, len(text) + 1):
-            found = tokens._edges(c0, c1, len(text))
+            found = tokens._edges(0, c0, c1, len(text))
             if found is not None:
                 fast += 1
                 assert found == tokens._scan(c0, c1), (c0, c1, text[c0:c1])
     assert fast > 0
+    # tokenised in two pieces (a shared opening and the rest): every span as the offsets of both pieces say
+    cut = text.index("user")
+    pieces = backend.encode_batch([text[:cut], text[cut:]], add_special_tokens=False)
+    tokens = _Tokens(pieces, [0, cut])
+    for c0 in range(len(text)):
+        for c1 in range(c0 + 1, len(text) + 1):
+            assert tokens.span(c0, c1, len(text)) == tokens._scan(c0, c1), (c0, c1, text[c0:c1])
+
+
+@pytest.mark.parametrize(("fixture", "template", "cut"), [
+    ("qwen25_path", None, True),  # its own template: its default system turn opens every conversation
+    ("llama3_path", "llama3", True),
+    ("gemma3_path", None, False),  # the system prompt goes into the first user turn: no opening ends at a token
+    ("mistral_path", "mistral", False),  # Metaspace, prepend_scheme first: text after a token is not as alone
+])
+def test_a_shared_opening_tokenised_once_gives_the_whole_texts_tokens(request, load_tok, fixture, template, cut):
+    """Conversations that open alike (a template's default system turn, a dataset's one system prompt) have their
+    opening tokenised once: the ids and labels are those of each whole text tokenised alone, and a tokenizer whose
+    text after a special token depends on what precedes it is never cut."""
+    tok = load_tok(request.getfixturevalue(fixture))
+    system = {"role": "system", "content": "You answer briefly, in plain words, and you never use lists at all."}
+    convs = [Conversation(messages=([system] if i % 4 else []) + [
+        {"role": "user", "content": f"Question {i}: what is {i} times {i + 1}?"},
+        {"role": "assistant", "content": f" {i * (i + 1)}, that is the answer" + "!" * (i % 3)}], row=i)
+        for i in range(24)]
+    cached = ChatEncoder(tok, resolve_template(tok, template))
+    plain = ChatEncoder(tok, resolve_template(tok, template))
+    plain._prefixes.enabled = False
+    got, want = cached.encode(convs), plain.encode(convs)
+    for a, b in zip(got, want, strict=True):
+        for (ids_a, labels_a), (ids_b, labels_b) in zip(a, b, strict=True):
+            assert ids_a.tolist() == ids_b.tolist() and labels_a.tolist() == labels_b.tolist()
+    assert bool(cached._prefixes._known) is cut
+    assert _independent(tok.backend_tokenizer, _splitters(tok)) is (fixture != "mistral_path")

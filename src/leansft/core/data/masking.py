@@ -45,6 +45,7 @@ from transformers.utils.chat_template_utils import (
 from leansft.core.config import LossOn, MultiTurn, Reasoning
 from leansft.core.data.builtin_templates import BUILTIN_TEMPLATES
 from leansft.core.data.formats import Conversation
+from leansft.core.data.shared_prefix import SharedPrefixes
 from leansft.core.data.stops import StopTokens, find_stops
 from leansft.core.errors import LeanSFTError, TemplateError
 
@@ -125,12 +126,16 @@ class _Example:
 
 class _Tokens:
     """An example's token ids, and its tokens' character offsets, built only where a span needs more than its edges
-    (building them for every example took as long as a tenth of the tokenizer's own work)."""
+    (building them for every example took as long as a tenth of the tokenizer's own work). The text may have been
+    tokenised in pieces (``starts``: where each piece begins): a shared opening and the rest, or a turn's prompt
+    and answer; ``head_ids``: the first piece's ids, kept as an array already."""
 
-    def __init__(self, encodings: list, starts: list[int]) -> None:
+    def __init__(self, encodings: list, starts: list[int], head_ids: np.ndarray | None = None) -> None:
         self.encodings, self.starts = encodings, starts
-        parts = [np.array(e.ids, dtype=np.int32) for e in encodings]
+        parts = [np.array(e.ids, dtype=np.int32) for e in encodings[head_ids is not None:]]
+        parts = parts if head_ids is None else [head_ids, *parts]
         self.ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self._counts = [len(p) for p in parts]
         self._offsets: np.ndarray | None = None
 
     @property
@@ -138,19 +143,28 @@ class _Tokens:
         """[tokens, 2] start and end character of each token in the whole text."""
         if self._offsets is None:
             self._offsets = np.concatenate([
-                np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64, count=2 * len(e.ids)).reshape(-1, 2)
-                + start for e, start in zip(self.encodings, self.starts)])
+                np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64, count=2 * n).reshape(-1, 2)
+                + start for e, start, n in zip(self.encodings, self.starts, self._counts)])
         return self._offsets
 
     def span(self, c0: int, c1: int, length: int) -> tuple[int, int] | None:
         """Token indexes [lo, hi) covering characters [c0, c1) exactly, or None where a token straddles an edge.
-        Read off the tokens at the two edges where they answer it plainly; from all the offsets otherwise."""
-        found = self._edges(c0, c1, length) if len(self.encodings) == 1 else None
-        return self._scan(c0, c1) if found is None else found
+        Read off the tokens at the two edges where they answer it plainly (both in one piece); from all the
+        offsets otherwise."""
+        j = len(self.starts) - 1
+        while self.starts[j] > c0:
+            j -= 1
+        end = self.starts[j + 1] if j + 1 < len(self.starts) else length
+        found = self._edges(j, c0 - self.starts[j], c1 - self.starts[j], end - self.starts[j]) if c1 <= end else None
+        if found is None:
+            return self._scan(c0, c1)
+        before = sum(self._counts[:j])
+        return found[0] + before, found[1] + before
 
-    def _edges(self, c0: int, c1: int, length: int) -> tuple[int, int] | None:
-        """The span from the tokens at its edges where they settle it plainly; None where unsure (then ``_scan``)."""
-        e, n = self.encodings[0], len(self.ids)
+    def _edges(self, j: int, c0: int, c1: int, length: int) -> tuple[int, int] | None:
+        """The span from the tokens at its edges in piece ``j`` (its own characters and tokens) where they settle it
+        plainly; None where unsure (then ``_scan``)."""
+        e, n = self.encodings[j], self._counts[j]
 
         def chars(i: int) -> tuple[int, int]:
             return e.token_to_chars(i) or (-1, -1)  # a token with no characters: unsure
@@ -274,11 +288,14 @@ class ChatEncoder:
             self._has_gen_prompt = self._jinja(user, None, True) != self._jinja(user, None, False)
         except Exception:
             self._has_gen_prompt = True
+        # spans from {% generation %} markers where nothing else says where answers start (read once, not per row)
+        self._by_markers = template.has_generation_markers and not self._has_gen_prompt and multi_turn != "per_turn"
         self._stop_list = sorted(set(self.stops.declared + self.stops.fallback), key=len, reverse=True)
         self._stop_text = re.compile("|".join(map(re.escape, self._stop_list)) or r"(?!)")  # any stop, as text
         # a tokenizer that marks the start of separately tokenised text ("▁x", "Ġx") cannot tokenise an answer apart
         first = self._backend.encode("x", add_special_tokens=False).tokens
-        self._prefixes = bool(first) and first[0] != "x"
+        self._marks_start = bool(first) and first[0] != "x"
+        self._prefixes = SharedPrefixes(tokenizer, self._backend)
 
     # -- rendering -------------------------------------------------------------------------------
     def _for_template(self, conv: Conversation) -> list[dict]:
@@ -570,7 +587,7 @@ class ChatEncoder:
                 full = self._render(chat, tools, False, conv.row)
                 return full, [_Example(k, full, [])]
             loss = self._loss_turns(chat, conv.messages)
-            if self.template.has_generation_markers and not self._has_gen_prompt and self.multi_turn != "per_turn":
+            if self._by_markers:
                 found = self._marker_examples(k, chat, tools, loss)
                 return found[0].text, found
             return self._turn_examples(k, chat, tools, loss, conv.row)
@@ -580,13 +597,28 @@ class ChatEncoder:
             raise
 
     def _tokenise(self, examples: list[_Example]) -> list[_Tokens]:
-        """Each example's tokens; split examples are tokenised in two pieces."""
-        texts = []
+        """Each example's tokens; split examples are tokenised in two pieces, and a text that opens as many do
+        (``SharedPrefixes``) after its opening, whose tokens are known."""
+        prefixes = self._prefixes
+        prefixes.learn([ex.text for ex in examples if ex.split is None])
+        texts, heads = [], []
         for ex in examples:
-            texts += [ex.text] if ex.split is None else [ex.text[: ex.split], ex.text[ex.split:]]
+            head = prefixes.find(ex.text) if ex.split is None and prefixes.enabled else None
+            if ex.split is not None:
+                texts += [ex.text[: ex.split], ex.text[ex.split:]]
+            else:
+                texts.append(ex.text if head is None else ex.text[len(head[0]):])
+            heads.append(head)
         encoded = iter(self._backend.encode_batch(texts, add_special_tokens=False))
-        return [_Tokens([next(encoded)] if ex.split is None else [next(encoded), next(encoded)],
-                        [0] if ex.split is None else [0, ex.split]) for ex in examples]
+        out = []
+        for ex, head in zip(examples, heads):
+            if ex.split is not None:
+                out.append(_Tokens([next(encoded), next(encoded)], [0, ex.split]))
+            elif head is None:
+                out.append(_Tokens([next(encoded)], [0]))
+            else:
+                out.append(_Tokens([head[1], next(encoded)], [0, len(head[0])], head[2]))
+        return out
 
     def _encode_examples(self, convs: list[Conversation]) -> list[list[tuple[_Example, Encoded]]]:
         """Each conversation's examples with their arrays (text conversations: loss on every token + eos)."""
@@ -624,7 +656,7 @@ class ChatEncoder:
                     continue
                 encoded, seams = self._labels(tokens, ex, conv.messages, conv.row)
                 for c0, c1, ai in seams:
-                    if ex.split is not None or self._prefixes:
+                    if ex.split is not None or self._marks_start:
                         self._refuse(conv.row, ai, ex.chat, "the tokenizer merges the answer's first characters "
                                      f"{ex.text[c0:c0 + 8]!r} with the prompt, and tokenising them apart would add "
                                      f"a word-start marker the model never sees there")
