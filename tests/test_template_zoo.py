@@ -5,6 +5,8 @@ reason. Zero silent mismatches. Skipped where the registries cannot be reached f
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import zoo
 
@@ -57,3 +59,34 @@ def test_readme_template_table_is_current(verdicts):
     text = zoo.README.read_text()
     block = text[text.index(zoo.START) + len(zoo.START): text.index(zoo.END)].strip()
     assert block == zoo.table(verdicts), "docs/templates.md template table is stale: run `python tests/zoo.py`"
+
+
+def test_every_template_renders_as_transformers_renders_it(templates):
+    """leansft renders with its own copy of the compiled template (dict keys looked up without an exception):
+    every template of the zoo, every conversation kind and each of its prefixes, with and without the generation
+    prompt, gives apply_chat_template's text (or fails as it does)."""
+    from transformers.utils.chat_template_utils import _plain_template_data
+
+    from leansft.core.data.formats import Conversation
+
+    def outcome(render):
+        try:
+            return render()
+        except Exception as err:  # noqa: BLE001 - the template refusing a conversation is an outcome too
+            return type(err).__name__
+
+    differ = []
+    for name, src in templates.items():
+        tok, encoder = zoo._prepared(name, src)
+        for kind, case in zoo.KINDS.items():
+            chat = encoder._for_template(Conversation(messages=copy.deepcopy(case["messages"]), row=1))
+            tools = case.get("tools")
+            for n in range(1, len(chat) + 1):
+                for gen in (False, True):
+                    want = outcome(lambda: tok.apply_chat_template(chat[:n], tools=tools, tokenize=False,
+                                                                   add_generation_prompt=gen))
+                    got = outcome(lambda: encoder._jinja(chat[:n], _plain_template_data(tools) if tools else None,
+                                                         gen))
+                    if got != want:
+                        differ.append(f"{name} / {kind} / {n} messages / generation prompt {gen}")
+    assert not differ, differ[:10]

@@ -47,6 +47,7 @@ from leansft.core.data.builtin_templates import BUILTIN_TEMPLATES
 from leansft.core.data.formats import Conversation
 from leansft.core.data.shared_prefix import SharedPrefixes
 from leansft.core.data.stops import StopTokens, find_stops
+from leansft.core.data.template_render import fast_template
 from leansft.core.errors import LeanSFTError, TemplateError
 
 IGNORE_INDEX = -100
@@ -266,10 +267,11 @@ class ChatEncoder:
         self.template = template
         self.loss_on, self.reasoning, self.multi_turn = loss_on, reasoning, multi_turn
         self.stats: Counter = Counter()
-        self._compiled = _compile_jinja_template(template.source)
+        self._compiled = _compile_jinja_template(template.source)  # transformers' own, for {% generation %} spans
+        self._fast = fast_template(self._compiled, template.source)  # the same, for every other rendering
         self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
         # what Template.render merges into every context (its globals, a ChainMap, copied once instead of per call)
-        self._context = {**dict(self._compiled.globals), **self._kwargs}
+        self._context = {**dict(self._fast.globals), **self._kwargs}
         # The Rust tokenizer itself, without any truncation/padding a tokenizer.json may carry: what
         # tokenizer(text, add_special_tokens=False) runs, minus the Python-side conversion of its output.
         self._backend = tokenizer.backend_tokenizer
@@ -316,7 +318,7 @@ class ChatEncoder:
     def _jinja(self, chat: list[dict], tools: list | None, gen_prompt: bool) -> str:
         """``Template.render(messages=..., tools=..., add_generation_prompt=..., **special tokens)``, with the
         template's globals merged once per encoder instead of once per call."""
-        t = self._compiled
+        t = self._fast
         ctx = t.new_context({**self._context, "messages": chat, "tools": tools, "documents": None,
                              "add_generation_prompt": gen_prompt}, shared=True)
         return t.environment.concat(t.root_render_func(ctx))
