@@ -7,11 +7,14 @@
   process: start-up, imports, reading, rendering, masking, tokenising, writing the cache, the plan;
 - train's preparation: ``prepare_data`` as ``leansft train`` calls it, in this process (no start-up).
 
-Each with a fresh cache. Also the same for 40-turn conversations (tokens/s against 2-turn ones) and the peak RSS of
+Each with a fresh cache. Qwen2.5's template opens every conversation without a system message with its own default
+system turn, which leansft tokenises once (core/data/shared_prefix.py); 2-turn chats that each carry their own
+system prompt show train's preparation without that help. Also the same for 40-turn conversations (tokens/s against 2-turn ones) and the peak RSS of
 ``leansft plan`` (its process tree) at 1x and 4x the rows. Targets: plan and train's preparation >= 0.9x plain;
 40-turn >= 0.8x 2-turn; peak memory < 25% more at 4x the rows.
 
     .venv/bin/python benchmarks/bench_prepare.py [--conversations 200000] [--repeat 2] [--turns 1,20] [--scale 4]
+        [--own-system 1]
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--turns", default="1,20", help="user/assistant pairs per conversation (1: two-turn chats)")
     ap.add_argument("--scale", type=int, default=4, help="the memory check: peak RSS at this many times the rows")
+    ap.add_argument("--own-system", type=int, default=1, help="1: also 2-turn chats that each have their own "
+                    "system prompt (no opening many share: the figure without core/data/shared_prefix.py's help)")
     args = ap.parse_args()
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,6 +102,19 @@ def main() -> None:
             dt, tokens = min(train_prep(data, work / "qwen25", work / "cache") for _ in range(args.repeat))
             print(f"| {pairs} | {n:,} | train's preparation | {tokens:,} | {dt:.1f} | {tokens / dt:,.0f} | "
                   f"{tokens / dt / plain_rate:.2f} |", flush=True)
+        if args.own_system:  # no opening shared by many conversations: the tokenizer's whole work, every row
+            n = args.conversations
+            rows = [{"messages": [{"role": "system", "content": f"You are assistant number {i}."}, *r["messages"]]}
+                    for i, r in enumerate(conversations(n, 1))]
+            data = work / "own_system.jsonl"
+            data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            best_plain = min(plain(tok, rows) for _ in range(args.repeat))
+            plain_rate = best_plain[1] / best_plain[0]
+            print(f"| 1, own system prompts | {n:,} | plain tokenizer | {best_plain[1]:,} | {best_plain[0]:.1f} | "
+                  f"{plain_rate:,.0f} | 1.00 |")
+            dt, tokens = min(train_prep(data, work / "qwen25", work / "cache") for _ in range(args.repeat))
+            print(f"| 1, own system prompts | {n:,} | train's preparation | {tokens:,} | {dt:.1f} | "
+                  f"{tokens / dt:,.0f} | {tokens / dt / plain_rate:.2f} |", flush=True)
         pairs = sorted(rates)
         if len(pairs) > 1:
             print(f"{pairs[-1] * 2}-turn / {pairs[0] * 2}-turn tokens/s (leansft plan): "
