@@ -45,28 +45,19 @@ def build_parts(over: list[str], verify: bool = False) -> Parts:
     from leansft.core.data.prepare import prepare_data
     from leansft.core.data.tokenizer import pad_id
     from leansft.core.model.forward import LossModule
-    from leansft.recipe.builders import (
-        autocast_dtype,
-        build_model,
-        head_precision,
-        model_location,
-        pick_device,
-        seed_everything,
-        store_frozen_base,
-        verified_strategy,
-    )
+    from leansft.recipe import builders as b
 
     cfg = load_config(None, over)
-    device = pick_device()
-    seed_everything(cfg.training.seed)
-    path = model_location(cfg)
+    device = b.pick_device()
+    b.seed_everything(cfg.training.seed)
+    path = b.model_location(cfg)
     data = prepare_data(cfg.data, cfg.tokenizer or path, seed=cfg.training.seed)
     pad = pad_id(data.tokenizer)
-    model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, path)
-    amp = autocast_dtype(cfg.training.precision, device)
-    precision = head_precision(cfg, device, amp)
+    model, _ = b.build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, path)
+    amp = b.autocast_dtype(cfg.training.precision, device)
+    precision = b.head_precision(cfg, device, amp)
     if verify:
-        cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad, precision)
-    store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad, device, amp)
+        cfg.batching.strategy = b.verified_strategy(cfg, model, data.train, pad, precision)
+    b.store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad, device, amp)
     module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, precision=precision)
     return Parts(cfg, device, data, pad, model, amp, module)
