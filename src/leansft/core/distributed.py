@@ -35,7 +35,9 @@ def init(timeout_s: float = 600) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    Heartbeat().start()
+    global _HEARTBEAT
+    _HEARTBEAT = Heartbeat()
+    _HEARTBEAT.start()
 
 
 class Heartbeat(threading.Thread):
@@ -48,16 +50,26 @@ class Heartbeat(threading.Thread):
     def __init__(self) -> None:
         super().__init__(name="leansft-heartbeat", daemon=True)
         self.store, self.key, self.host = _store(), self.KEY.format(rank()), socket.gethostname()
+        self.stopped = threading.Event()
 
     def run(self) -> None:
         beat = 0
-        while True:
+        while not self.stopped.is_set():
             try:
                 self.store.set(self.key, f"{beat} {self.host}")
             except Exception:  # noqa: BLE001 - the store is gone with the run: nothing left to tell
                 return
             beat += 1
-            time.sleep(self.EVERY_S)
+            self.stopped.wait(self.EVERY_S)
+
+    def stop(self, wait_s: float) -> None:
+        """Stop beating and wait up to ``wait_s`` for the thread to leave the store: a process that exits while
+        it is inside the store's C++ client can abort ("terminate called without an active exception")."""
+        self.stopped.set()
+        self.join(wait_s)
+
+
+_HEARTBEAT: Heartbeat | None = None  # this process's, from ``init`` until ``shutdown``
 
 
 def _store():
@@ -117,11 +129,21 @@ def shutdown(wait: bool = True) -> None:
     if not is_distributed():
         return
     if wait:
-        tdist.barrier()
+        tdist.barrier()  # (beating still: a rank that waits here is not the one a timeout should name)
+        _stop_heartbeat(2 * Heartbeat.EVERY_S)
         tdist.destroy_process_group()
         return
+    _stop_heartbeat(0.2)
     with contextlib.suppress(Exception):
         tdist.destroy_process_group()
+
+
+def _stop_heartbeat(wait_s: float) -> None:
+    """Out of the store before the process group (and its store) goes."""
+    global _HEARTBEAT
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.stop(wait_s)
+        _HEARTBEAT = None
 
 
 def rank() -> int:
