@@ -492,3 +492,32 @@ def test_ranks_that_share_a_folder_are_found_by_the_token_files_they_read_back(t
     seen = json.loads(out.read_text())
     assert seen["split"] == [[0, 1], [2]] and seen["writer"] is True and seen["one"] == [[0, 1, 2]]
     assert seen["left"] == ["a", "b", "shared"]  # the folders, not the probes
+
+
+def test_a_heartbeat_stops_before_the_process_group_goes(monkeypatch):
+    """``shutdown`` stops this rank's heartbeat thread and waits for it to leave the store (a process that exits
+    with the thread inside the store's C++ client can abort)."""
+    from leansft.core import distributed
+
+    beats = threading.Event()
+
+    class Store:
+        def set(self, key, value):
+            beats.set()
+
+    monkeypatch.setattr(distributed, "_store", lambda: Store())
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    beat = distributed.Heartbeat()
+    monkeypatch.setattr(distributed, "_HEARTBEAT", beat)
+    beat.start()
+    assert beats.wait(10)
+    distributed._stop_heartbeat(10)
+    assert not beat.is_alive() and distributed._HEARTBEAT is None
+
+
+def test_commands_that_only_read_data_import_no_fsdp():
+    """``plan`` and ``show-mask`` import distributed (through the data preparation) but not FSDP (a third of a second
+    of their start): it is imported when a run wraps its model."""
+    probe = "import sys, leansft.core.data.prepare\nprint('torch.distributed.fsdp' in sys.modules)\n"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert r.stdout.strip() == "False", r.stderr[-2000:]

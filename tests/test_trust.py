@@ -167,16 +167,24 @@ def test_a_run_deletes_only_what_leansft_wrote_in_its_folders(tmp_path, trained,
     assert tree(mine) == before
 
     run = a_copy(trained, tmp_path)
-    folder = run / "checkpoints"
-    kept = {folder / "step-1": "not leansft's", folder / ".tmp-mine": "notes", folder / ".tmp-step-x": "notes"}
+    folder, cache = run / "checkpoints", tmp_path / "cache"
+    kept = {folder / "step-1": "not leansft's", folder / ".tmp-mine": "notes", folder / ".tmp-step-x": "notes",
+            folder / ".tmp-step-7": "a name like leansft's", cache / ".tmp-mine": "notes",
+            cache / "tokenized" / ".tmp-mine": "notes"}
     for path, text in kept.items():
-        path.mkdir()
+        path.mkdir(parents=True)
         (path / "notes.txt").write_text(text)
+    (folder / "step-2" / "notes.txt").write_text("added to leansft's checkpoint")
+    half = folder / ".tmp-step-9"  # a killed run's half-written checkpoint: leansft's to clean
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"half")
     cfg = config_file(tmp_path, tiny_run_assets, f"output_dir={run}", "training.max_steps=4",
                       "checkpoint.save_every=1", "checkpoint.keep_last=1")
     assert main(["train", cfg, "--resume", "auto"]) == 0
     for path, text in kept.items():
         assert (path / "notes.txt").read_text() == text, path
+    assert not half.exists()
+    assert (folder / "step-2" / "notes.txt").exists()  # not pruned: it holds a file leansft did not write
     assert sorted(p.name for p in folder.iterdir() if ckpt.ours(p)) == ["step-4"]  # leansft's older steps pruned
 
     run = a_copy(trained, tmp_path / "again")
@@ -184,7 +192,7 @@ def test_a_run_deletes_only_what_leansft_wrote_in_its_folders(tmp_path, trained,
     (run / "checkpoints" / "step-3" / "notes.txt").write_text("mine")
     cfg = config_file(tmp_path, tiny_run_assets, f"output_dir={run}", "training.max_steps=3",
                       "checkpoint.save_every=1")
-    refused(capsys, main(["train", cfg, "--resume", "auto"]), "step-3 exists and is not a leansft checkpoint")
+    refused(capsys, main(["train", cfg, "--resume", "auto"]), "step-3 exists and holds files leansft does not write")
     assert (run / "checkpoints" / "step-3" / "notes.txt").read_text() == "mine"
 
 

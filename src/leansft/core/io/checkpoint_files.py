@@ -177,7 +177,9 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
     def begin():
         if writer:
             folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            if not _remove_if_ours(tmp) and tmp.exists():
+                raise LeanSFTError(f"{tmp} exists and holds files leansft does not write there", file=str(tmp),
+                                   hint="move it out of the checkpoints folder")
             (tmp / "dcp" if sharded else tmp).mkdir(parents=True)
         # what every folder holds is rank 0's (and every rank's generator state): the writers of other groups get it
         if rank == 0:
@@ -215,10 +217,9 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
     def rename():
         if writer:
             if final.exists():  # this step saved again (a resumed run): an earlier copy leansft wrote is replaced
-                if not ours(final):
-                    raise LeanSFTError(f"{final} exists and is not a leansft checkpoint (no {MANIFEST} or state.json)",
+                if not _remove_if_ours(final):
+                    raise LeanSFTError(f"{final} exists and holds files leansft does not write there",
                                        file=str(final), hint="move it out of the checkpoints folder")
-                shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(folder)
 
@@ -238,7 +239,7 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
         _agreed(rename, step, folder, tmp, writer, root)
     except BaseException:
         if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_if_ours(tmp)
         raise
     return final
 
@@ -256,7 +257,7 @@ def _agreed(work, step: int, folder: Path, tmp: Path, writer: bool, root) -> lis
     if not failed:
         return [r for _, _, r in views]
     if writer:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_if_ours(tmp)
     if own is not None and not isinstance(own, OSError) and not why[1]:
         raise own  # not the disk's doing: its traceback here; the other ranks name this rank
     who, (text, full) = failed[0]
@@ -504,19 +505,44 @@ def list_checkpoints(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
+WRITTEN = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json", "config.yaml", MANIFEST)
+
+
+def _dcp_file(f: Path) -> bool:
+    """A file torch.distributed.checkpoint writes into ``dcp/``: shards, and the index (or its temporary name)."""
+    return f.is_file() and not f.is_symlink() and (f.name.endswith(".distcp") or ".metadata" in f.name)
+
+
 def ours(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint leansft wrote, if damaged (it holds ``MANIFEST`` or ``state.json``): the
-    only folders of ``checkpoints/`` that are ever deleted, beside the temporary ones of its own name."""
-    return path.is_dir() and not path.is_symlink() and any((path / f).is_file() for f in (MANIFEST, "state.json"))
+    """Whether ``path`` holds nothing but what ``save_checkpoint`` writes (``WRITTEN``, ``dcp/``): a checkpoint,
+    whole or damaged, or one being written. Only such folders of ``checkpoints/`` are ever deleted; one that holds
+    anything else (a user's notes, a link) is left alone."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    for p in path.iterdir():
+        if p.name == "dcp" and p.is_dir() and not p.is_symlink():
+            if not all(_dcp_file(f) for f in p.iterdir()):
+                return False
+        elif p.name not in WRITTEN or not p.is_file() or p.is_symlink():
+            return False
+    return True
+
+
+def _remove_if_ours(path: Path) -> bool:
+    """Remove ``path`` where ``ours`` says leansft wrote it; whether it was removed."""
+    if not ours(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
 def clean_unfinished(folder: Path) -> None:
     """Remove the temporary folders of checkpoints whose write never finished (a crash, a killed node): the
-    ``.tmp-step-N`` ones ``save_checkpoint`` names, nothing else."""
+    ``.tmp-step-N`` ones ``save_checkpoint`` names, holding only what it writes."""
     if folder.is_dir():
         for tmp in folder.glob(f".tmp-{PREFIX}*"):
-            if tmp.name[len(f".tmp-{PREFIX}"):].isdigit() and tmp.is_dir() and not tmp.is_symlink():
-                shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.name[len(f".tmp-{PREFIX}"):].isdigit():
+                _remove_if_ours(tmp)
 
 
 def prune(folder: Path, keep_last: int, keep_best: int) -> list[Path]:
@@ -535,6 +561,6 @@ def prune(folder: Path, keep_last: int, keep_best: int) -> list[Path]:
             scored.append((loss, int(p.name[len(PREFIX):]), p))
     keep |= {p for _, _, p in sorted(scored)[:keep_best]}
     for p in found:
-        if p not in keep and ours(p):
-            shutil.rmtree(p, ignore_errors=True)
+        if p not in keep:
+            _remove_if_ours(p)
     return [p for p in found if p in keep]
