@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from leansft.core import distributed
-from leansft.core.inference.generation import Conversation, generate
+from leansft.core.inference.generation import ChatSettings, generate
 from leansft.core.inference.heldout_loss import evaluate
 from leansft.core.model.context_parallel import whole_rows
 from leansft.core.progress import console, phase, plural
@@ -48,7 +48,7 @@ class Evaluator:
         self.should_stop = False
         self.console = console()
         trained = dominant_system_prompt(prep.report.as_dict())  # configured prompts get what the model learned under
-        self.conversation = Conversation(system=trained[0] if trained else None)
+        self.settings = ChatSettings(system=trained[0] if trained else None)
 
     def state(self) -> dict:
         """What a checkpoint keeps so early stopping continues exactly after a resume."""
@@ -113,7 +113,7 @@ class Evaluator:
                 torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):  # as the run computes
             answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
                                max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
-                               seed=self.cfg.training.seed, conversation=self.conversation)
+                               seed=self.cfg.training.seed, settings=self.settings)
         if distributed.rank() == 0:
             with (self.out / "samples.jsonl").open("a") as fh:
                 for p, a in zip(prompts, answers):

@@ -12,7 +12,7 @@ import yaml
 
 from leansft.core.data.sources import read_rows
 from leansft.core.errors import LeanSFTError
-from leansft.core.inference.generation import Conversation, generate
+from leansft.core.inference.generation import ChatSettings, generate
 from leansft.recipe.system_prompt import trained_system_prompt
 
 
@@ -31,8 +31,8 @@ def _text_or_file(value: str) -> str:
     return value
 
 
-def conversation_of(args, source, announce) -> tuple:
-    """(model, tokenizer, template, Conversation): what ``generate`` and ``chat`` render each prompt with. The
+def settings_of(args, source, announce) -> tuple:
+    """(model, tokenizer, template, ChatSettings): what ``generate`` and ``chat`` render each prompt with. The
     system prompt: ``--system`` (``''``: none of ours, the template's own default where it has one), else the one
     the run trained with where one dominated its data (said once through ``announce``), else the template's."""
     tools = None
@@ -59,7 +59,7 @@ def conversation_of(args, source, announce) -> tuple:
             announce(f"system prompt: the one {trained[1]:.0%} of the training conversations opened with "
                      f"({_short(system)}); --system TEXT for another, --system '' for the template's own")
     model, tok, template, _ = source(args)
-    return model, tok, template, Conversation(system or None, tools, options)
+    return model, tok, template, ChatSettings(system or None, tools, options)
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -94,13 +94,13 @@ def generate_answers(args, source) -> int:
     if args.out and not args.source_file:
         raise LeanSFTError("--out writes the answers of --from FILE.jsonl", field="--out")
     rows = _prompt_rows(args.source_file) if args.source_file else [{"prompt": p} for p in args.prompt]
-    model, tok, template, conversation = conversation_of(args, source, lambda line: print(line, file=sys.stderr))
+    model, tok, template, settings = settings_of(args, source, lambda line: print(line, file=sys.stderr))
     out = open(args.out, "w", encoding="utf-8") if args.out else None  # noqa: SIM115 (closed below)
     try:
         for i, item in enumerate(rows, 1):
             if args.show_prompt:
-                print(conversation.render(tok, template, item["prompt"]), file=sys.stderr)
-            (answer,) = generate(model, tok, template, [item["prompt"]], conversation=conversation,
+                print(settings.render(tok, template, item["prompt"]), file=sys.stderr)
+            (answer,) = generate(model, tok, template, [item["prompt"]], settings=settings,
                                  **sampling(args))
             if out is not None:
                 out.write(json.dumps({**item["row"], "answer": answer}, ensure_ascii=False) + "\n")
@@ -128,7 +128,7 @@ CHAT_HELP = """commands:
 
 def chat(args, source) -> int:
     """``leansft chat``: a conversation at the terminal, with the commands of ``CHAT_HELP``."""
-    model, tok, template, conversation = conversation_of(args, source, print)
+    model, tok, template, settings = settings_of(args, source, print)
     history: list[dict] = []
     print("leansft chat: /help for commands; an empty line, /quit or Ctrl-D leaves")
     while True:
@@ -146,18 +146,18 @@ def chat(args, source) -> int:
                 history = []
                 print("(conversation reset)")
             elif command == "/system" and not rest.strip():
-                print(f"system prompt: {conversation.system!r}" if conversation.system is not None
+                print(f"system prompt: {settings.system!r}" if settings.system is not None
                       else "no system prompt (the template's default, if it has one)")
             elif command == "/system":
-                conversation.system = None if rest.strip() == "none" else _text_or_file(rest.strip())
-                print("(system prompt removed)" if conversation.system is None else "(system prompt set)")
+                settings.system = None if rest.strip() == "none" else _text_or_file(rest.strip())
+                print("(system prompt removed)" if settings.system is None else "(system prompt set)")
             else:
                 print(f"unknown command {command}: /help lists them (//text sends a message starting with /)")
             continue
         history.append({"role": "user", "content": line[1:] if line.startswith("//") else line})
         if args.show_prompt:
-            print(conversation.render(tok, template, history))
-        (answer,) = generate(model, tok, template, [history], conversation=conversation, **sampling(args))
+            print(settings.render(tok, template, history))
+        (answer,) = generate(model, tok, template, [history], settings=settings, **sampling(args))
         history.append({"role": "assistant", "content": answer})
         print(f"model> {answer}")
     return 0

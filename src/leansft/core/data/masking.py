@@ -601,26 +601,16 @@ class ChatEncoder:
     def _tokenise(self, examples: list[_Example]) -> list[_Tokens]:
         """Each example's tokens; split examples are tokenised in two pieces, and a text that opens as many do
         (``SharedPrefixes``) after its opening, whose tokens are known."""
-        prefixes = self._prefixes
-        prefixes.learn([ex.text for ex in examples if ex.split is None])
-        texts, heads = [], []
+        self._prefixes.learn([ex.text for ex in examples if ex.split is None])
+        texts, plans = [], []
         for ex in examples:
-            head = prefixes.find(ex.text) if ex.split is None and prefixes.enabled else None
-            if ex.split is not None:
-                texts += [ex.text[: ex.split], ex.text[ex.split:]]
-            else:
-                texts.append(ex.text if head is None else ex.text[len(head[0]):])
-            heads.append(head)
+            head = self._prefixes.find(ex.text) if ex.split is None else None
+            cuts = [0, ex.split] if ex.split is not None else [len(head[0]) if head else 0]
+            texts += [ex.text[a:b] for a, b in zip(cuts, [*cuts[1:], None])]
+            plans.append((head, cuts))
         encoded = iter(self._backend.encode_batch(texts, add_special_tokens=False))
-        out = []
-        for ex, head in zip(examples, heads):
-            if ex.split is not None:
-                out.append(_Tokens([next(encoded), next(encoded)], [0, ex.split]))
-            elif head is None:
-                out.append(_Tokens([next(encoded)], [0]))
-            else:
-                out.append(_Tokens([head[1], next(encoded)], [0, len(head[0])], head[2]))
-        return out
+        return [_Tokens(([head[1]] if head else []) + [next(encoded) for _ in cuts], ([0] if head else []) + cuts,
+                        head[2] if head else None) for head, cuts in plans]
 
     def _encode_examples(self, convs: list[Conversation]) -> list[list[tuple[_Example, Encoded]]]:
         """Each conversation's examples with their arrays (text conversations: loss on every token + eos)."""

@@ -112,23 +112,24 @@ class SharedPrefixes:
                     continue
                 if splitter not in self._independent:
                     self._independent[splitter] = _independent(self._backend, [splitter])
-                if not (self._independent[splitter] and self._check(cut, having[:CHECKED])):
+                enc = self._checked(cut, having[:CHECKED]) if self._independent[splitter] else None
+                if enc is None:
                     self.enabled = False  # this tokenizer's text after a special token depends on what came before
                     self._known.clear()
                     return
-                enc = self._backend.encode(cut, add_special_tokens=False)
                 self._known.append((cut, enc, np.array(enc.ids, dtype=np.int32)))
                 self._known.sort(key=lambda k: -len(k[0]))
                 known.add(cut)
                 if len(self._known) >= MAX_PREFIXES:
                     return
 
-    def _check(self, prefix: str, texts: list[str]) -> bool:
-        """The tokens of each whole text are the prefix's followed by the rest's."""
-        head = self._backend.encode(prefix, add_special_tokens=False).ids
+    def _checked(self, prefix: str, texts: list[str]):
+        """The prefix's encoding where the tokens of each whole text are the prefix's followed by the rest's, else
+        None."""
+        head = self._backend.encode(prefix, add_special_tokens=False)
         rests = self._backend.encode_batch([t[len(prefix):] for t in texts], add_special_tokens=False)
         wholes = self._backend.encode_batch(texts, add_special_tokens=False)
-        return all(w.ids == head + r.ids for w, r in zip(wholes, rests))
+        return head if all(w.ids == head.ids + r.ids for w, r in zip(wholes, rests)) else None
 
     def find(self, text: str) -> tuple[str, object, np.ndarray] | None:
         """The longest known opening ``text`` starts with (and goes on after), or None."""

@@ -112,7 +112,9 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
     """Write ``folder`` (a Hugging Face model folder) as the GGUF file ``path``: into a fresh temporary file beside
     it, renamed into place once whole. Tensors in ``dtype`` (f32, f16, bf16 or q8_0; norms and other small tensors
     f32, as the converter decides); ``stop_ids``: the token ids generation must stop at (``stop_token_ids``);
-    ``source``: what was exported, recorded in the file's ``GGUF_MARKER_KEY``."""
+    ``source``: what was exported, recorded in the file's ``GGUF_MARKER_KEY``. ``folder`` gains a tokenizer.model
+    and added-token types where it lacks them (``_give_sentencepiece_model``): pass a folder leansft wrote itself
+    (``export_source`` passes its own temporary export), never a user's."""
     from leansft._vendor.llama_cpp import gguf
 
     if dtype not in DTYPES:

@@ -25,9 +25,10 @@ def generation_mode(model):
 
 
 @dataclass
-class Conversation:
+class ChatSettings:
     """What the template renders besides the messages: a system prompt (put first where the messages have none),
-    tool definitions, and the template's own options (``enable_thinking=False``)."""
+    tool definitions, and the template's own options (``enable_thinking=False``). (Not the data's
+    ``formats.Conversation``: these are the settings a chat or generation renders every prompt with.)"""
 
     system: str | None = None
     tools: list[dict] | None = None
@@ -39,25 +40,27 @@ class Conversation:
             messages.insert(0, {"role": "system", "content": self.system})
         return messages
 
+    def _apply(self, tokenizer, template: ChatTemplate, prompt: str | list[dict], tokenize: bool):
+        return tokenizer.apply_chat_template(self.messages(prompt), tools=self.tools, chat_template=template.source,
+                                             add_generation_prompt=True, tokenize=tokenize,
+                                             **({"return_dict": False} if tokenize else {}), **self.template_kwargs)
+
     def render(self, tokenizer, template: ChatTemplate, prompt: str | list[dict]) -> str:
         """The prompt as the model reads it, ending in the generation prompt."""
-        return tokenizer.apply_chat_template(self.messages(prompt), tools=self.tools, chat_template=template.source,
-                                             add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+        return self._apply(tokenizer, template, prompt, tokenize=False)
 
     def ids(self, tokenizer, template: ChatTemplate, prompt: str | list[dict]) -> list[int]:
-        return tokenizer.apply_chat_template(self.messages(prompt), tools=self.tools, chat_template=template.source,
-                                             add_generation_prompt=True, tokenize=True, return_dict=False,
-                                             **self.template_kwargs)
+        return self._apply(tokenizer, template, prompt, tokenize=True)
 
 
 @torch.no_grad()
 def generate(model, tokenizer, template: ChatTemplate, prompts: list, *, max_new_tokens: int = 64,
              temperature: float = 0.7, top_p: float = 0.9, seed: int = 0,
-             conversation: Conversation | None = None) -> list[str]:
+             settings: ChatSettings | None = None) -> list[str]:
     """Answer each prompt: a user string, a message list, or already rendered prompt token ids (ending in
-    the generation prompt). ``conversation``: the system prompt, tools and template options of the first two.
+    the generation prompt). ``settings``: the system prompt, tools and template options of the first two.
     Sampling is reproducible for a seed."""
-    conversation = conversation or Conversation()
+    settings = settings or ChatSettings()
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer, template)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
@@ -66,7 +69,7 @@ def generate(model, tokenizer, template: ChatTemplate, prompts: list, *, max_new
         for i, prompt in enumerate(prompts):
             torch.manual_seed(seed + i)
             if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
-                ids = conversation.ids(tokenizer, template, prompt)
+                ids = settings.ids(tokenizer, template, prompt)
             else:
                 ids = [int(t) for t in prompt]
             input_ids = torch.tensor([list(ids)], device=device)
