@@ -309,7 +309,10 @@ def test_a_span_read_off_its_edge_tokens_matches_the_full_offset_scan(request, l
 
     backend = load_tok(request.getfixturevalue(fixture)).backend_tokenizer
     text = "<|im_start|>user\n  Héllo, 世界!\t🙂🙂 x\n\n</s><|im_end|> ok"
-    tokens = _Tokens([backend.encode(text, add_special_tokens=False)], [0])
+    def piece(enc):
+        return np.array(enc.ids, dtype=np.int32), enc
+
+    tokens = _Tokens([piece(backend.encode(text, add_special_tokens=False))], [0])
     fast = 0
     for c0 in range(len(text)):
         for c1 in range(c0 + 1, len(text) + 1):
@@ -321,10 +324,70 @@ def test_a_span_read_off_its_edge_tokens_matches_the_full_offset_scan(request, l
     # tokenised in two pieces (a shared opening and the rest): every span as the offsets of both pieces say
     cut = text.index("user")
     pieces = backend.encode_batch([text[:cut], text[cut:]], add_special_tokens=False)
-    tokens = _Tokens(pieces, [0, cut])
+    tokens = _Tokens([piece(p) for p in pieces], [0, cut])
     for c0 in range(len(text)):
         for c1 in range(c0 + 1, len(text) + 1):
             assert tokens.span(c0, c1, len(text)) == tokens._scan(c0, c1), (c0, c1, text[c0:c1])
+
+
+@pytest.mark.parametrize(("fixture", "byte_level"), [("qwen25_path", True), ("llama3_path", True),
+                                                    ("tiny_bpe_path", None), ("mistral_path", False),
+                                                    ("gemma3_path", False)])
+def test_ascii_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request, load_tok, fixture, byte_level):
+    """Offsets from token lengths (``token_offsets``: ASCII text, byte-level BPE, ``encode_batch_fast``) are the
+    tokenizer's own offsets, every span read from them is the one read from the tokenizer's, and a tokenizer where
+    that may not hold (SentencePiece: a word-start mark; any non-ASCII text) keeps the tokenizer's offsets."""
+    from leansft.core.data.masking import _Tokens
+    from leansft.core.data.token_offsets import PROBES, TokenLengths
+
+    tok = load_tok(request.getfixturevalue(fixture))
+    backend = tok.backend_tokenizer
+    lengths = TokenLengths(backend)
+    if byte_level is not None:
+        assert (lengths.lengths is not None) == byte_level
+    if lengths.lengths is None:
+        return
+    specials = [t for t in tok.all_special_tokens if t.isascii()][:3]
+    texts = [*PROBES, "".join(f"{s} a\n\n  b{i}\t" for i, s in enumerate(specials)) + " end  ",
+             "<|im_start|>user\n  Hello,  world!\t x\n\n</s>  <|im_end|> ok"]
+    assert lengths.agree(backend, texts)
+    for text in texts:
+        enc = backend.encode(text, add_special_tokens=False)
+        ids = np.array(enc.ids, dtype=np.int32)
+        ends = lengths.ends(ids, text)
+        assert ends is not None
+        slow, fast = _Tokens([(ids, enc)], [0]), _Tokens([(ids, ends)], [0])
+        assert np.array_equal(slow.offsets, fast.offsets)
+        for c0 in range(len(text)):
+            for c1 in range(c0 + 1, len(text) + 1):
+                assert fast.span(c0, c1, len(text)) == slow.span(c0, c1, len(text)), (c0, c1, text[c0:c1])
+    assert lengths.ends(np.array(backend.encode("a b", add_special_tokens=False).ids), "a  b") is None
+
+
+@pytest.mark.parametrize(("fixture", "template", "seams"), [("qwen25_path", None, True),
+                                                           ("llama3_path", "llama3", False)])  # Llama 3 trims
+def test_ascii_texts_tokenised_without_offsets_give_the_same_examples(request, load_tok, fixture, template, seams):
+    """A batch of ASCII and non-ASCII conversations, answers the tokenizer merges with their prompt among them:
+    the ids and labels with offsets from token lengths are those with the tokenizer's own offsets."""
+    from leansft.core.data.token_offsets import TokenLengths
+
+    tok = load_tok(request.getfixturevalue(fixture))
+    starts = ["", "\n\nAfter newlines. ", " A leading space. ", "Ünïcödé 你好 🙂 ", "tab\there ", "x"]
+    convs = [Conversation(messages=([{"role": "system", "content": "Be brief." if i % 3 else "Sois bref, café."}]
+                                    if i % 2 else []) + [
+        {"role": "user", "content": f"Question {i}: what is {i} times {i + 1}?" + " é" * (i % 5 == 0)},
+        {"role": "assistant", "content": starts[i % len(starts)] + f"It is {i * (i + 1)}."},
+        {"role": "user", "content": "And  twice   that?"},
+        {"role": "assistant", "content": f"{2 * i * (i + 1)}" + "\n" * (i % 3)}], row=i) for i in range(30)]
+    fast, slow = ChatEncoder(tok, resolve_template(tok, template)), ChatEncoder(tok, resolve_template(tok, template))
+    slow._lengths = TokenLengths()
+    got, want = fast.encode(convs), slow.encode(convs)
+    assert fast._lengths.lengths is not None
+    for a, b in zip(got, want, strict=True):
+        assert len(a) == len(b)
+        for (ids_a, labels_a), (ids_b, labels_b) in zip(a, b):
+            assert np.array_equal(ids_a, ids_b) and np.array_equal(labels_a, labels_b)
+    assert fast.stats == slow.stats and (fast.stats["per_turn_examples"] > 0) == seams
 
 
 @pytest.mark.parametrize(("fixture", "template", "cut"), [

@@ -16,7 +16,8 @@ and its context is exactly what the model is given.
   ``<|end|>`` instead of ``<|return|>``, tools moved) becomes an example of its own, rendered from
   ``messages[:i]`` + that turn (``multi_turn``). What cannot be placed exactly is refused.
 A template with ``{% generation %}`` markers and no generation prompt marks the spans itself (cut at the stop token). The whole
-text is tokenised once (batched, fast tokenizer) and character spans map to tokens by offsets.
+text is tokenised once (batched, fast tokenizer) and character spans map to tokens by offsets (the tokenizer's,
+or for ASCII text and a byte-level BPE tokenizer the running sum of its tokens' lengths: ``token_offsets``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from leansft.core.data.formats import Conversation
 from leansft.core.data.shared_prefix import SharedPrefixes
 from leansft.core.data.stops import StopTokens, find_stops
 from leansft.core.data.template_render import fast_template
+from leansft.core.data.token_offsets import CHECKED, TokenLengths
 from leansft.core.errors import LeanSFTError, TemplateError
 
 IGNORE_INDEX = -100
@@ -129,23 +131,21 @@ class _Tokens:
     """An example's token ids, and its tokens' character offsets, built only where a span needs more than its edges
     (building them for every example took as long as a tenth of the tokenizer's own work). The text may have been
     tokenised in pieces (``starts``: where each piece begins): a shared opening and the rest, or a turn's prompt
-    and answer; ``head_ids``: the first piece's ids, kept as an array already."""
+    and answer. Each piece is ``(ids, where)``: ``where`` the tokenizer's encoding with its offsets, or the array of
+    where each token ends (``token_offsets``: ASCII text tokenised without offsets)."""
 
-    def __init__(self, encodings: list, starts: list[int], head_ids: np.ndarray | None = None) -> None:
-        self.encodings, self.starts = encodings, starts
-        parts = [np.array(e.ids, dtype=np.int32) for e in encodings[head_ids is not None:]]
-        parts = parts if head_ids is None else [head_ids, *parts]
-        self.ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        self._counts = [len(p) for p in parts]
+    def __init__(self, pieces: list[tuple[np.ndarray, object]], starts: list[int]) -> None:
+        self.pieces, self.starts = pieces, starts
+        self.ids = pieces[0][0] if len(pieces) == 1 else np.concatenate([ids for ids, _ in pieces])
+        self._counts = [len(ids) for ids, _ in pieces]
         self._offsets: np.ndarray | None = None
 
     @property
     def offsets(self) -> np.ndarray:
         """[tokens, 2] start and end character of each token in the whole text."""
         if self._offsets is None:
-            self._offsets = np.concatenate([
-                np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64, count=2 * n).reshape(-1, 2)
-                + start for e, start, n in zip(self.encodings, self.starts, self._counts)])
+            self._offsets = np.concatenate([_piece_offsets(where, n) + start
+                                            for (_, where), start, n in zip(self.pieces, self.starts, self._counts)])
         return self._offsets
 
     def span(self, c0: int, c1: int, length: int) -> tuple[int, int] | None:
@@ -165,7 +165,14 @@ class _Tokens:
     def _edges(self, j: int, c0: int, c1: int, length: int) -> tuple[int, int] | None:
         """The span from the tokens at its edges in piece ``j`` (its own characters and tokens) where they settle it
         plainly; None where unsure (then ``_scan``)."""
-        e, n = self.encodings[j], self._counts[j]
+        where, n = self.pieces[j][1], self._counts[j]
+        if isinstance(where, np.ndarray):  # the tokens partition the piece: a span's edges are token ends
+            lo = int(np.searchsorted(where, c0, "right"))
+            if c0 >= length or (where[lo - 1] if lo else 0) != c0:
+                return None
+            hi = n if c1 >= length else int(np.searchsorted(where, c1, "left")) + 1
+            return (lo, hi) if hi > lo and (c1 >= length or where[hi - 1] == c1) else None
+        e = where
 
         def chars(i: int) -> tuple[int, int]:
             return e.token_to_chars(i) or (-1, -1)  # a token with no characters: unsure
@@ -192,6 +199,13 @@ class _Tokens:
         clean_start = lo < n and offsets[lo, 0] == c0 and (lo == 0 or ends[lo - 1] <= c0)
         clean_end = hi > lo and ends[hi - 1] == c1 and (hi == n or offsets[hi, 0] >= c1)
         return (lo, hi) if clean_start and clean_end else None
+
+
+def _piece_offsets(where, n: int) -> np.ndarray:
+    """[n, 2] offsets of one piece's tokens: the encoding's own, or from where each token ends."""
+    if isinstance(where, np.ndarray):
+        return np.stack([np.concatenate(([0], where[:-1])), where], axis=1) if n else np.zeros((0, 2), np.int64)
+    return np.fromiter(chain.from_iterable(where.offsets), dtype=np.int64, count=2 * n).reshape(-1, 2)
 
 
 def _reasoning(message: dict) -> str | None:
@@ -298,6 +312,7 @@ class ChatEncoder:
         first = self._backend.encode("x", add_special_tokens=False).tokens
         self._marks_start = bool(first) and first[0] != "x"
         self._prefixes = SharedPrefixes(tokenizer, self._backend)
+        self._lengths: TokenLengths | None = None  # built at the first batch (in the worker that needs it)
 
     # -- rendering -------------------------------------------------------------------------------
     def _for_template(self, conv: Conversation) -> list[dict]:
@@ -608,9 +623,33 @@ class ChatEncoder:
             cuts = [0, ex.split] if ex.split is not None else [len(head[0]) if head else 0]
             texts += [ex.text[a:b] for a, b in zip(cuts, [*cuts[1:], None])]
             plans.append((head, cuts))
-        encoded = iter(self._backend.encode_batch(texts, add_special_tokens=False))
-        return [_Tokens(([head[1]] if head else []) + [next(encoded) for _ in cuts], ([0] if head else []) + cuts,
-                        head[2] if head else None) for head, cuts in plans]
+        pieces = iter(self._encode(texts))
+        return [_Tokens(([(head[2], head[1])] if head else []) + [next(pieces) for _ in cuts],
+                        ([0] if head else []) + cuts) for head, cuts in plans]
+
+    def _encode(self, texts: list[str]) -> list[tuple[np.ndarray, object]]:
+        """Each text's ``(ids, where)`` (``_Tokens``): ASCII text tokenised without offsets where the tokenizer's
+        offsets follow from its tokens' lengths (``token_offsets``), the rest with them."""
+        if self._lengths is None:
+            self._lengths = TokenLengths(self._backend)
+            ascii_texts = [t for t in texts if t.isascii()][:CHECKED]
+            if self._lengths.lengths is not None and not self._lengths.agree(self._backend, ascii_texts):
+                self._lengths.lengths = None  # this batch's texts disagree: offsets come from the tokenizer
+        out: list = [None] * len(texts)
+        slow = list(range(len(texts)))
+        if self._lengths.lengths is not None:
+            fast, slow = [i for i in slow if texts[i].isascii()], [i for i in slow if not texts[i].isascii()]
+            for i, enc in zip(fast, self._backend.encode_batch_fast([texts[i] for i in fast],
+                                                                    add_special_tokens=False)):
+                ids = np.array(enc.ids, dtype=np.int32)
+                ends = self._lengths.ends(ids, texts[i])
+                if ends is None:
+                    slow.append(i)
+                else:
+                    out[i] = (ids, ends)
+        for i, enc in zip(slow, self._backend.encode_batch([texts[i] for i in slow], add_special_tokens=False)):
+            out[i] = (np.array(enc.ids, dtype=np.int32), enc)
+        return out
 
     def _encode_examples(self, convs: list[Conversation]) -> list[list[tuple[_Example, Encoded]]]:
         """Each conversation's examples with their arrays (text conversations: loss on every token + eos)."""
@@ -658,7 +697,7 @@ class ChatEncoder:
             examples = again
         expanded = [i for i in wholes if not (len(out[i]) == 1 and out[i][0][0].text == wholes[i])]
         if expanded:
-            singles = self._backend.encode_batch([wholes[i] for i in expanded], add_special_tokens=False)
+            singles = self._backend.encode_batch_fast([wholes[i] for i in expanded], add_special_tokens=False)
             for i, single in zip(expanded, singles):
                 self.stats["per_turn_conversations"] += 1
                 self.stats["per_turn_examples"] += len(out[i])
