@@ -333,10 +333,14 @@ def test_a_span_read_off_its_edge_tokens_matches_the_full_offset_scan(request, l
 @pytest.mark.parametrize(("fixture", "byte_level"), [("qwen25_path", True), ("llama3_path", True),
                                                     ("tiny_bpe_path", None), ("mistral_path", False),
                                                     ("gemma3_path", False)])
-def test_ascii_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request, load_tok, fixture, byte_level):
-    """Offsets from token lengths (``token_offsets``: ASCII text, byte-level BPE, ``encode_batch_fast``) are the
-    tokenizer's own offsets, every span read from them is the one read from the tokenizer's, and a tokenizer where
-    that may not hold (SentencePiece: a word-start mark; any non-ASCII text) keeps the tokenizer's offsets."""
+def test_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request, load_tok, fixture, byte_level):
+    """Offsets from token lengths (``token_offsets``: byte-level BPE, ``encode_batch_fast``) are the tokenizer's own
+    offsets (characters split across tokens, emoji, CJK, special tokens, random text), every span read from them is
+    the one read from the tokenizer's, and a tokenizer where that may not hold (SentencePiece: a word-start mark)
+    keeps the tokenizer's offsets."""
+    import random
+    import unicodedata
+
     from leansft.core.data.masking import _Tokens
     from leansft.core.data.token_offsets import PROBES, TokenLengths
 
@@ -349,30 +353,42 @@ def test_ascii_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(re
         return
     specials = [t for t in tok.all_special_tokens if t.isascii()][:3]
     texts = [*PROBES, "".join(f"{s} a\n\n  b{i}\t" for i, s in enumerate(specials)) + " end  ",
-             "<|im_start|>user\n  Hello,  world!\t x\n\n</s>  <|im_end|> ok"]
+             "<|im_start|>user\n  Hello,  world!\t x\n\n</s>  <|im_end|> ok",
+             "<|im_start|>user\n  Héllo, 世界!\t🙂👍🏽 x\n\n</s><|im_end|> ’ok’ — ß"]
     assert lengths.agree(backend, texts)
     for text in texts:
         enc = backend.encode(text, add_special_tokens=False)
         ids = np.array(enc.ids, dtype=np.int32)
-        ends = lengths.ends(ids, text)
-        assert ends is not None
-        slow, fast = _Tokens([(ids, enc)], [0]), _Tokens([(ids, ends)], [0])
+        where = lengths.offsets(ids, text)
+        assert where is not None and (where.ndim == 1) == text.isascii()
+        slow, fast = _Tokens([(ids, enc)], [0]), _Tokens([(ids, where)], [0])
         assert np.array_equal(slow.offsets, fast.offsets)
         for c0 in range(len(text)):
             for c1 in range(c0 + 1, len(text) + 1):
                 assert fast.span(c0, c1, len(text)) == slow.span(c0, c1, len(text)), (c0, c1, text[c0:c1])
-    assert lengths.ends(np.array(backend.encode("a b", add_special_tokens=False).ids), "a  b") is None
+    assert lengths.offsets(np.array(backend.encode("a b", add_special_tokens=False).ids), "a  b") is None
+    rng = random.Random(0)
+    alphabet = [*"abc XYZ 123 \n\t.,!?'\"", "é", "你好", "🙂", "👍🏽", "ß", "ﬁ", "e\u0301", "—", "’", "€", "Ā", "\u200b",
+                "한", "  ", "\r\n", *specials]
+    random_texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(2000)]
+    for text, enc in zip(random_texts, backend.encode_batch(random_texts, add_special_tokens=False)):
+        where = lengths.offsets(np.array(enc.ids), text)
+        if where is None:  # only a text the normaliser would change (Qwen2.5's NFC: "e" + a combining accent)
+            assert backend.normalizer is not None and not unicodedata.is_normalized("NFC", text), text
+            continue
+        want = _Tokens([(np.array(enc.ids), enc)], [0]).offsets
+        assert np.array_equal(_Tokens([(np.array(enc.ids), where)], [0]).offsets, want), text
 
 
 @pytest.mark.parametrize(("fixture", "template", "seams"), [("qwen25_path", None, True),
                                                            ("llama3_path", "llama3", False)])  # Llama 3 trims
-def test_ascii_texts_tokenised_without_offsets_give_the_same_examples(request, load_tok, fixture, template, seams):
-    """A batch of ASCII and non-ASCII conversations, answers the tokenizer merges with their prompt among them:
-    the ids and labels with offsets from token lengths are those with the tokenizer's own offsets."""
+def test_texts_tokenised_without_offsets_give_the_same_examples(request, load_tok, fixture, template, seams):
+    """A batch of ASCII and non-ASCII conversations (one not in NFC), answers the tokenizer merges with their prompt
+    among them: the ids and labels with offsets from token lengths are those with the tokenizer's own offsets."""
     from leansft.core.data.token_offsets import TokenLengths
 
     tok = load_tok(request.getfixturevalue(fixture))
-    starts = ["", "\n\nAfter newlines. ", " A leading space. ", "Ünïcödé 你好 🙂 ", "tab\there ", "x"]
+    starts = ["", "\n\nAfter newlines. ", " A leading space. ", "Ünïcödé 你好 🙂 ", "tab\there ", "x", "Cafe\u0301 "]
     convs = [Conversation(messages=([{"role": "system", "content": "Be brief." if i % 3 else "Sois bref, café."}]
                                     if i % 2 else []) + [
         {"role": "user", "content": f"Question {i}: what is {i} times {i + 1}?" + " é" * (i % 5 == 0)},

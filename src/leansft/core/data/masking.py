@@ -17,7 +17,7 @@ and its context is exactly what the model is given.
   ``messages[:i]`` + that turn (``multi_turn``). What cannot be placed exactly is refused.
 A template with ``{% generation %}`` markers and no generation prompt marks the spans itself (cut at the stop token). The whole
 text is tokenised once (batched, fast tokenizer) and character spans map to tokens by offsets (the tokenizer's,
-or for ASCII text and a byte-level BPE tokenizer the running sum of its tokens' lengths: ``token_offsets``).
+or for a byte-level BPE tokenizer the running sum of its tokens' lengths: ``token_offsets``).
 """
 
 from __future__ import annotations
@@ -166,6 +166,8 @@ class _Tokens:
         """The span from the tokens at its edges in piece ``j`` (its own characters and tokens) where they settle it
         plainly; None where unsure (then ``_scan``)."""
         where, n = self.pieces[j][1], self._counts[j]
+        if isinstance(where, np.ndarray) and where.ndim == 2:  # offsets found from token lengths: all of them
+            return None
         if isinstance(where, np.ndarray):  # the tokens partition the piece: a span's edges are token ends
             lo = int(np.searchsorted(where, c0, "right"))
             if c0 >= length or (where[lo - 1] if lo else 0) != c0:
@@ -202,7 +204,9 @@ class _Tokens:
 
 
 def _piece_offsets(where, n: int) -> np.ndarray:
-    """[n, 2] offsets of one piece's tokens: the encoding's own, or from where each token ends."""
+    """[n, 2] offsets of one piece's tokens: the encoding's own, or found from the tokens' lengths."""
+    if isinstance(where, np.ndarray) and where.ndim == 2:
+        return where
     if isinstance(where, np.ndarray):
         return np.stack([np.concatenate(([0], where[:-1])), where], axis=1) if n else np.zeros((0, 2), np.int64)
     return np.fromiter(chain.from_iterable(where.offsets), dtype=np.int64, count=2 * n).reshape(-1, 2)
@@ -628,25 +632,23 @@ class ChatEncoder:
                         ([0] if head else []) + cuts) for head, cuts in plans]
 
     def _encode(self, texts: list[str]) -> list[tuple[np.ndarray, object]]:
-        """Each text's ``(ids, where)`` (``_Tokens``): ASCII text tokenised without offsets where the tokenizer's
-        offsets follow from its tokens' lengths (``token_offsets``), the rest with them."""
+        """Each text's ``(ids, where)`` (``_Tokens``): tokenised without offsets where the tokenizer's offsets follow
+        from its tokens' lengths (``token_offsets``), the rest with them."""
         if self._lengths is None:
             self._lengths = TokenLengths(self._backend)
-            ascii_texts = [t for t in texts if t.isascii()][:CHECKED]
-            if self._lengths.lengths is not None and not self._lengths.agree(self._backend, ascii_texts):
+            if self._lengths.lengths is not None and not self._lengths.agree(self._backend, texts[:CHECKED]):
                 self._lengths.lengths = None  # this batch's texts disagree: offsets come from the tokenizer
         out: list = [None] * len(texts)
         slow = list(range(len(texts)))
         if self._lengths.lengths is not None:
-            fast, slow = [i for i in slow if texts[i].isascii()], [i for i in slow if not texts[i].isascii()]
-            for i, enc in zip(fast, self._backend.encode_batch_fast([texts[i] for i in fast],
-                                                                    add_special_tokens=False)):
+            slow = []
+            for i, enc in enumerate(self._backend.encode_batch_fast(texts, add_special_tokens=False)):
                 ids = np.array(enc.ids, dtype=np.int32)
-                ends = self._lengths.ends(ids, texts[i])
-                if ends is None:
+                where = self._lengths.offsets(ids, texts[i])
+                if where is None:
                     slow.append(i)
                 else:
-                    out[i] = (ids, ends)
+                    out[i] = (ids, where)
         for i, enc in zip(slow, self._backend.encode_batch([texts[i] for i in slow], add_special_tokens=False)):
             out[i] = (np.array(enc.ids, dtype=np.int32), enc)
         return out
