@@ -39,8 +39,8 @@ def _parts(state: dict, key: str) -> list[dict]:
 def _normal_forms(backend) -> list[str] | None:
     """The Unicode normal forms the tokenizer's normaliser applies, or None where it does anything else (or where
     the tokenizer is not byte-level BPE, or pads, or trims offsets)."""
-    model = _state(backend.model)
-    if model.get("type") != "BPE" or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+    model = backend.model  # read by attribute: its state is the whole vocabulary
+    if type(model).__name__ != "BPE" or model.continuing_subword_prefix or model.end_of_word_suffix:
         return None
     forms = [n["type"] for n in _parts(_state(backend.normalizer), "normalizers") if n["type"] != "Sequence"]
     if any(f not in _NORMAL_FORMS for f in forms):
