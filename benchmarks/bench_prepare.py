@@ -5,7 +5,9 @@
   (the Rust tokenizer's threads on every core): the pace a tokenizer sets;
 - ``leansft plan``: the command a user types (``leansft plan --data F --tokenizer T``), timed end to end in a fresh
   process: start-up, imports, reading, rendering, masking, tokenising, writing the cache, the plan;
-- train's preparation: ``prepare_data`` as ``leansft train`` calls it, in this process (no start-up).
+- train's preparation: ``prepare_data`` as ``leansft train`` calls it, in a fresh process (start-up left out);
+- the floor: the Rust tokenizer without offset tracking (``encode_batch_fast``) on the same text, which leansft's
+  preparation also uses where offsets follow from token lengths: plan's ratio to it is printed beside.
 
 Each with a fresh cache. Qwen2.5's template opens every conversation without a system message with its own default
 system turn, which leansft tokenises once (core/data/shared_prefix.py); 2-turn chats that each carry their own
@@ -32,6 +34,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tokenize import conversations, plain, qwen25_tokenizer  # noqa: E402  (same rows, same plain side)
+
+
+def floor(tok, rows: list[dict]) -> tuple[float, int]:
+    """The Rust tokenizer alone without offset tracking (``encode_batch_fast``, 1,024 texts a call, its threads on):
+    the least a tokenizer call costs, which leansft's preparation also calls where offsets follow from token
+    lengths (core/data/token_offsets.py)."""
+    texts = tok.apply_chat_template([r["messages"] for r in rows], tokenize=False)
+    backend = tok.backend_tokenizer
+    t0 = time.perf_counter()
+    n = sum(len(e.ids) for i in range(0, len(texts), 1024)
+            for e in backend.encode_batch_fast(texts[i : i + 1024], add_special_tokens=False))
+    return time.perf_counter() - t0, n
 
 
 def plan(data: Path, tok_dir: Path, cache: Path) -> tuple[float, int, int]:
@@ -94,11 +108,15 @@ def main() -> None:
             best_plain = min(plain(tok, rows) for _ in range(args.repeat))
             plain_rate = best_plain[1] / best_plain[0]
             print(f"| {pairs} | {n:,} | plain tokenizer | {best_plain[1]:,} | {best_plain[0]:.1f} | {plain_rate:,.0f} | 1.00 |")
+            best_floor = min(floor(tok, rows) for _ in range(args.repeat))
+            floor_rate = best_floor[1] / best_floor[0]
+            print(f"| {pairs} | {n:,} | tokenizer without offsets (encode_batch_fast) | {best_floor[1]:,} | "
+                  f"{best_floor[0]:.1f} | {floor_rate:,.0f} | {floor_rate / plain_rate:.2f} |")
             runs = [plan(data, work / "qwen25", work / "cache") for _ in range(args.repeat)]
             dt, tokens, _ = min(runs)
             rates[pairs] = tokens / dt
             print(f"| {pairs} | {n:,} | leansft plan (end to end) | {tokens:,} | {dt:.1f} | {tokens / dt:,.0f} | "
-                  f"{tokens / dt / plain_rate:.2f} |", flush=True)
+                  f"{tokens / dt / plain_rate:.2f} ({tokens / dt / floor_rate:.2f} of the floor) |", flush=True)
             dt, tokens = min(train_prep(data, work / "qwen25", work / "cache") for _ in range(args.repeat))
             print(f"| {pairs} | {n:,} | train's preparation | {tokens:,} | {dt:.1f} | {tokens / dt:,.0f} | "
                   f"{tokens / dt / plain_rate:.2f} |", flush=True)

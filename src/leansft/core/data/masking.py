@@ -131,8 +131,8 @@ class _Tokens:
     """An example's token ids, and its tokens' character offsets, built only where a span needs more than its edges
     (building them for every example took as long as a tenth of the tokenizer's own work). The text may have been
     tokenised in pieces (``starts``: where each piece begins): a shared opening and the rest, or a turn's prompt
-    and answer. Each piece is ``(ids, where)``: ``where`` the tokenizer's encoding with its offsets, or the array of
-    where each token ends (``token_offsets``: ASCII text tokenised without offsets)."""
+    and answer. Each piece is ``(ids, where)``: ``where`` the tokenizer's encoding with its offsets, or the offsets
+    found from its tokens' lengths (``token_offsets``): where each token ends in ASCII text, else [n, 2]."""
 
     def __init__(self, pieces: list[tuple[np.ndarray, object]], starts: list[int]) -> None:
         self.pieces, self.starts = pieces, starts
