@@ -49,7 +49,7 @@ from leansft.core.data.formats import Conversation
 from leansft.core.data.shared_prefix import SharedPrefixes
 from leansft.core.data.stops import StopTokens, find_stops
 from leansft.core.data.template_render import fast_template
-from leansft.core.data.token_offsets import CHECKED, TokenLengths
+from leansft.core.data.token_offsets import CHECKED, TokenLengths, as_pairs
 from leansft.core.errors import LeanSFTError, TemplateError
 
 IGNORE_INDEX = -100
@@ -205,10 +205,8 @@ class _Tokens:
 
 def _piece_offsets(where, n: int) -> np.ndarray:
     """[n, 2] offsets of one piece's tokens: the encoding's own, or found from the tokens' lengths."""
-    if isinstance(where, np.ndarray) and where.ndim == 2:
-        return where
     if isinstance(where, np.ndarray):
-        return np.stack([np.concatenate(([0], where[:-1])), where], axis=1) if n else np.zeros((0, 2), np.int64)
+        return as_pairs(where)
     return np.fromiter(chain.from_iterable(where.offsets), dtype=np.int64, count=2 * n).reshape(-1, 2)
 
 

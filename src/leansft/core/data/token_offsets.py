@@ -53,6 +53,13 @@ def _normal_forms(backend) -> list[str] | None:
     return forms
 
 
+def as_pairs(offsets: np.ndarray) -> np.ndarray:
+    """[n, 2] start and end characters, from either form ``TokenLengths.offsets`` returns."""
+    if offsets.ndim == 2:
+        return offsets
+    return np.stack([np.concatenate(([0], offsets[:-1])), offsets], axis=1) if len(offsets) else np.zeros((0, 2), int)
+
+
 class TokenLengths:
     """Each token's length in bytes, for a tokenizer whose offsets follow from it (else ``lengths`` is None;
     also for ``backend=None``: offsets always from the tokenizer)."""
@@ -97,7 +104,6 @@ class TokenLengths:
                 if all(unicodedata.is_normalized(f, text) for f in self._forms):
                     return False  # a text in normal form whose lengths do not add up: not a tokenizer for this
                 continue
-            pairs = np.stack([np.concatenate(([0], found[:-1])), found], axis=1) if found.ndim == 1 else found
-            if [tuple(o) for o in enc.offsets] != [tuple(p) for p in pairs.tolist()]:
+            if [tuple(o) for o in enc.offsets] != [tuple(p) for p in as_pairs(found).tolist()]:
                 return False
         return True
