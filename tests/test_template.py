@@ -330,14 +330,14 @@ def test_a_span_read_off_its_edge_tokens_matches_the_full_offset_scan(request, l
             assert tokens.span(c0, c1, len(text)) == tokens._scan(c0, c1), (c0, c1, text[c0:c1])
 
 
-@pytest.mark.parametrize(("fixture", "byte_level"), [("qwen25_path", True), ("llama3_path", True),
-                                                    ("tiny_bpe_path", None), ("mistral_path", False),
-                                                    ("gemma3_path", False)])
-def test_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request, load_tok, fixture, byte_level):
-    """Offsets from token lengths (``token_offsets``: byte-level BPE, ``encode_batch_fast``) are the tokenizer's own
-    offsets (characters split across tokens, emoji, CJK, special tokens, random text), every span read from them is
-    the one read from the tokenizer's, and a tokenizer where that may not hold (SentencePiece: a word-start mark)
-    keeps the tokenizer's offsets."""
+@pytest.mark.parametrize(("fixture", "fast"), [("qwen25_path", True), ("llama3_path", True), ("tiny_bpe_path", None),
+                                              ("mistral_path", False), ("gemma3_path", True)])
+def test_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request, load_tok, fixture, fast):
+    """Offsets from token lengths (``token_offsets``: byte-level BPE, Gemma's spaces-as-``▁`` BPE with byte
+    fallback; ``encode_batch_fast``) are the tokenizer's own offsets (characters split across tokens, emoji, CJK,
+    special tokens, runs of spaces, random text), every span read from them is the one read from the tokenizer's,
+    and a tokenizer where that may not hold (Mistral: a ``▁`` prepended to the text) keeps the tokenizer's
+    offsets."""
     import random
     import unicodedata
 
@@ -347,8 +347,8 @@ def test_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request,
     tok = load_tok(request.getfixturevalue(fixture))
     backend = tok.backend_tokenizer
     lengths = TokenLengths(backend)
-    if byte_level is not None:
-        assert (lengths.lengths is not None) == byte_level
+    if fast is not None:
+        assert (lengths.lengths is not None) == fast
     if lengths.lengths is None:
         return
     specials = [t for t in tok.all_special_tokens if t.isascii()][:3]
@@ -381,7 +381,8 @@ def test_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request,
 
 
 @pytest.mark.parametrize(("fixture", "template", "seams"), [("qwen25_path", None, True),
-                                                           ("llama3_path", "llama3", False)])  # Llama 3 trims
+                                                           ("llama3_path", "llama3", False),  # Llama 3 trims
+                                                           ("gemma3_path", None, False)])
 def test_texts_tokenised_without_offsets_give_the_same_examples(request, load_tok, fixture, template, seams):
     """A batch of ASCII and non-ASCII conversations (one not in NFC), answers the tokenizer merges with their prompt
     among them: the ids and labels with offsets from token lengths are those with the tokenizer's own offsets."""

@@ -1,30 +1,41 @@
 """Token offsets without the tokenizer's offset tracking.
 
 ``encode_batch`` tracks every token's character offsets and builds its string; ``encode_batch_fast`` does
-neither and is a fifth faster (Qwen2.5, 2-turn chats). In a byte-level BPE tokenizer (GPT-2's ``ByteLevel``: each
-character of a vocabulary token stands for one byte of the text) the tokens partition the text's UTF-8 bytes, and
-each token's byte length is its own, so where the tokenizer's normaliser leaves the text as it is, a token's offsets
-follow from the running sum of the lengths before it: in ASCII text they are its character offsets; elsewhere the
-tokenizer gives a token the characters its bytes fall in (a character split across two tokens belongs to both).
+neither and is a fifth faster (Qwen2.5 and Gemma 3, 2-turn chats). In a BPE tokenizer whose tokens stand for fixed
+text, the tokens partition the text's UTF-8 bytes and each token's byte length is its own, so where the
+normaliser leaves the text's length as it is, a token's offsets follow from the running sum of the lengths before
+it: in ASCII text they are its character offsets; elsewhere the tokenizer gives a token the characters its bytes
+fall in (a character split across two tokens belongs to both). Two kinds qualify:
+- byte-level BPE (GPT-2's ``ByteLevel``: Qwen, Llama 3, DeepSeek, gpt-oss): each character of a token is one byte;
+- SentencePiece-style BPE whose normaliser only writes spaces as ``▁`` and prepends nothing (Gemma 3): a token is
+  its text with ``▁`` for a space, a byte-fallback token ``<0xNN>`` one byte.
 
-``TokenLengths`` holds those lengths where that is so: a BPE model with a ``ByteLevel`` pre-tokenizer that prepends
-no space, no normaliser but Unicode normal forms (the text must already be in them), no post-processor that trims
-offsets, and the offsets so found equal to the tokenizer's own on probes. Each text's lengths must also add up to
-the text's own (``offsets``); a text whose do not goes through ``encode_batch``.
+``TokenLengths`` holds those lengths where the tokenizer is one of them, its normaliser does nothing else but
+Unicode normal forms (the text must already be in them), no post-processor trims offsets, and the offsets so found
+equal the tokenizer's own on probes. Each text's lengths must also add up to the text's own (``offsets``); a text
+whose do not goes through ``encode_batch``. Llama 2's and Mistral's ``▁`` prepended to a text fail that and keep
+the tokenizer's offsets.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
 
 import numpy as np
+from tokenizers import pre_tokenizers
 
 _NORMAL_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}  # normalisers that leave a text already in their form as it is
+_SPACE = "\u2581"  # SentencePiece's "▁"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token
+# GPT-2's byte-level alphabet (one character per byte): a vocabulary string outside it (DeepSeek's special tokens
+# sit in its vocabulary as plain text) is never made by the model from bytes
+_BYTE_CHARS = frozenset(pre_tokenizers.ByteLevel.alphabet())
 CHECKED = 2  # texts of an encoder's first batch the offsets are checked on too (its special tokens among them)
 PROBES = ("Hello world", "  two  spaces\n\nand\ttabs ", "x", "1234567 89.5%", "a-b_c/d\\e 'quoted' \"q\"",
           "line\r\nbreak", "   ", "\n", "MiXeD CaSe wordswordswords", "{\"json\": [1, 2]}",
-          "Héllo wörld, 你好 🙂 👍🏽 ’quotes’ — dash", " 日本語のテキスト", "ß ﬁ € Ā 한국어 ř\u200b")
+          "Héllo wörld, 你好 🙂 👍🏽 ’quotes’ — dash", " 日本語のテキスト", "ß ﬁ € Ā 한국어 ř\u200b \x01")
 
 
 def _state(component) -> dict:
@@ -36,28 +47,25 @@ def _parts(state: dict, key: str) -> list[dict]:
     return [state, *(p for sub in state.get(key, []) for p in _parts(sub, key))] if state else []
 
 
-def _normal_forms(backend) -> list[str] | None:
-    """The Unicode normal forms the tokenizer's normaliser applies, or None where it does anything else (or where
-    the tokenizer is not byte-level BPE, or pads, or trims offsets)."""
+def _kind(backend) -> tuple[str, list[str]] | None:
+    """``("bytes" | "spaces", the normal forms the normaliser applies)`` for a tokenizer whose offsets follow from
+    its tokens' lengths, else None."""
     model = backend.model  # read by attribute: its state is the whole vocabulary
     if type(model).__name__ != "BPE" or model.continuing_subword_prefix or model.end_of_word_suffix:
         return None
-    forms = [n["type"] for n in _parts(_state(backend.normalizer), "normalizers") if n["type"] != "Sequence"]
-    if any(f not in _NORMAL_FORMS for f in forms):
-        return None
-    levels = [p for p in _parts(_state(backend.pre_tokenizer), "pretokenizers") if p.get("type") == "ByteLevel"]
-    if not levels or any(p.get("add_prefix_space") for p in levels):
-        return None
     if any(p.get("trim_offsets") for p in _parts(_state(backend.post_processor), "processors")):
         return None
-    return forms
-
-
-def as_pairs(offsets: np.ndarray) -> np.ndarray:
-    """[n, 2] start and end characters, from either form ``TokenLengths.offsets`` returns."""
-    if offsets.ndim == 2:
-        return offsets
-    return np.stack([np.concatenate(([0], offsets[:-1])), offsets], axis=1) if len(offsets) else np.zeros((0, 2), int)
+    norms = [n for n in _parts(_state(backend.normalizer), "normalizers") if n["type"] != "Sequence"]
+    spaces = [n for n in norms if n == {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}]
+    forms = [n["type"] for n in norms if n not in spaces]
+    if any(f not in _NORMAL_FORMS for f in forms):
+        return None
+    pres = _parts(_state(backend.pre_tokenizer), "pretokenizers")
+    levels = [p for p in pres if p.get("type") == "ByteLevel"]
+    if levels and not spaces:
+        return None if any(p.get("add_prefix_space") for p in levels) else ("bytes", forms)
+    kept = all(p["type"] == "Sequence" or (p["type"] == "Split" and p.get("behavior") != "Removed") for p in pres)
+    return ("spaces", forms) if spaces and kept and len(spaces) == 1 else None
 
 
 class TokenLengths:
@@ -66,19 +74,31 @@ class TokenLengths:
 
     def __init__(self, backend=None) -> None:
         self.lengths: np.ndarray | None = None
-        forms = _normal_forms(backend) if backend is not None else None
-        if forms is None:
+        kind = _kind(backend) if backend is not None else None
+        if kind is None:
             return
-        self._forms = forms
-        vocab = backend.get_vocab(with_added_tokens=True)  # a byte-level token's characters are its bytes
-        lengths = np.zeros(max(vocab.values()) + 1, dtype=np.int64)
-        lengths[np.fromiter(vocab.values(), np.int64, len(vocab))] = np.fromiter(map(len, vocab), np.int64, len(vocab))
-        for i, token in backend.get_added_tokens_decoder().items():  # matched on the text itself
-            lengths[i] = len(token.content.encode())
+        self._forms = kind[1]
+        vocab = backend.get_vocab(with_added_tokens=False)
+        size = self._size if kind[0] == "spaces" else len  # a byte-level token's characters are its bytes
+        self._fallback = backend.model.byte_fallback
+        lengths = np.zeros(max(backend.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1), np.int64)
+        lengths[np.fromiter(vocab.values(), np.int64, len(vocab))] = np.fromiter(map(size, vocab), np.int64, len(vocab))
+        for i, token in backend.get_added_tokens_decoder().items():
+            # matched on the text (or the normalised text), or made by the model from its vocabulary: the shorter,
+            # so that no token is ever given more text than it covers (a text whose lengths add up then has each
+            # token's own: one given less would leave the sum short)
+            text = token.content.replace(_SPACE, " ") if token.normalized and kind[0] == "spaces" else token.content
+            own = backend.model.id_to_token(i)
+            made = own is not None and (kind[0] == "spaces" or set(own) <= _BYTE_CHARS)
+            lengths[i] = min(len(text.encode()), size(own) if made else 1 << 40)
         lengths[lengths == 0] = -(1 << 40)  # a token of no text: no text's lengths add up with it
         self.lengths = lengths
         if not self.agree(backend, list(PROBES)):
             self.lengths = None
+
+    def _size(self, token: str) -> int:
+        """The bytes a SentencePiece-style token stands for: ``▁`` a space, ``<0xNN>`` one byte."""
+        return 1 if self._fallback and _BYTE_TOKEN.fullmatch(token) else len(token.replace(_SPACE, " ").encode())
 
     def offsets(self, ids: np.ndarray, text: str) -> np.ndarray | None:
         """The tokens' offsets in ``text``: for ASCII text where each ends ([n]; they partition it), else [n, 2]
@@ -107,3 +127,10 @@ class TokenLengths:
             if [tuple(o) for o in enc.offsets] != [tuple(p) for p in as_pairs(found).tolist()]:
                 return False
         return True
+
+
+def as_pairs(offsets: np.ndarray) -> np.ndarray:
+    """[n, 2] start and end characters, from either form ``TokenLengths.offsets`` returns."""
+    if offsets.ndim == 2:
+        return offsets
+    return np.stack([np.concatenate(([0], offsets[:-1])), offsets], axis=1) if len(offsets) else np.zeros((0, 2), int)
