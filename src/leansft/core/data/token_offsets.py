@@ -12,9 +12,10 @@ fall in (a character split across two tokens belongs to both). Two kinds qualify
 
 ``TokenLengths`` holds those lengths where the tokenizer is one of them, its normaliser does nothing else but
 Unicode normal forms (the text must already be in them), no post-processor trims offsets, and the offsets so found
-equal the tokenizer's own on probes. Each text's lengths must also add up to the text's own (``offsets``); a text
-whose do not goes through ``encode_batch``. Llama 2's and Mistral's ``▁`` prepended to a text fail that and keep
-the tokenizer's offsets.
+equal the tokenizer's own on probes. No token is given more bytes than it may cover (an added token the model also
+makes gets the shorter of its two lengths, the unknown token one byte), so where a text's lengths add up to its own
+(``offsets``) each token has its own; a text whose do not goes through ``encode_batch``. Llama 2's and Mistral's
+tokenizers (a ``▁`` prepended to the text) are neither kind and keep the tokenizer's offsets.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _kind(backend) -> tuple[str, list[str]] | None:
     if levels and not spaces:
         return None if any(p.get("add_prefix_space") for p in levels) else ("bytes", forms)
     kept = all(p["type"] == "Sequence" or (p["type"] == "Split" and p.get("behavior") != "Removed") for p in pres)
-    return ("spaces", forms) if spaces and kept and len(spaces) == 1 else None
+    whole = model.token_to_id(_SPACE) is not None  # a space is never three fallback bytes of its "▁"
+    return ("spaces", forms) if spaces and kept and whole and len(spaces) == 1 else None
 
 
 class TokenLengths:
@@ -92,8 +94,11 @@ class TokenLengths:
             made = own is not None and (kind[0] == "spaces" or set(own) <= _BYTE_CHARS)
             lengths[i] = min(len(text.encode()), size(own) if made else 1 << 40)
         lengths[lengths == 0] = -(1 << 40)  # a token of no text: no text's lengths add up with it
+        unknown = backend.model.unk_token
+        if unknown and backend.model.token_to_id(unknown) is not None:  # stands for a character or more
+            lengths[backend.model.token_to_id(unknown)] = 1
         self.lengths = lengths
-        if not self.agree(backend, list(PROBES)):
+        if not self.agree(backend, list(PROBES), strict=True):
             self.lengths = None
 
     def _size(self, token: str) -> int:
@@ -113,16 +118,17 @@ class TokenLengths:
         first = np.cumsum((np.frombuffer(raw, np.uint8) & 0xC0) != 0x80) - 1  # the character each byte is of
         return np.stack([first[np.concatenate(([0], ends[:-1]))], first[ends - 1] + 1], axis=1)
 
-    def agree(self, backend, texts: list[str]) -> bool:
-        """Whether the offsets found from the lengths are the tokenizer's own on ``texts``."""
+    def agree(self, backend, texts: list[str], strict: bool = False) -> bool:
+        """Whether the offsets found from the lengths are the tokenizer's own on ``texts``; ``strict``: and each text
+        in the normaliser's forms has them (the probes: plain text no token is short for)."""
         for text, enc in zip(texts, backend.encode_batch(texts, add_special_tokens=False)):
             ids = np.array(enc.ids, dtype=np.int64)
             if len(ids) and (ids.max() >= len(self.lengths) or ids.min() < 0):
                 return False
             found = self.offsets(ids, text)
             if found is None:
-                if all(unicodedata.is_normalized(f, text) for f in self._forms):
-                    return False  # a text in normal form whose lengths do not add up: not a tokenizer for this
+                if strict and all(unicodedata.is_normalized(f, text) for f in self._forms):
+                    return False  # plain text whose lengths do not add up: not a tokenizer for this
                 continue
             if [tuple(o) for o in enc.offsets] != [tuple(p) for p in as_pairs(found).tolist()]:
                 return False
