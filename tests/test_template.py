@@ -361,11 +361,11 @@ def test_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request,
         ids = np.array(enc.ids, dtype=np.int32)
         where = lengths.offsets(ids, text)
         assert where is not None and (where.ndim == 1) == text.isascii()
-        slow, fast = _Tokens([(ids, enc)], [0]), _Tokens([(ids, where)], [0])
-        assert np.array_equal(slow.offsets, fast.offsets)
+        theirs, ours = _Tokens([(ids, enc)], [0]), _Tokens([(ids, where)], [0])
+        assert np.array_equal(theirs.offsets, ours.offsets)
         for c0 in range(len(text)):
             for c1 in range(c0 + 1, len(text) + 1):
-                assert fast.span(c0, c1, len(text)) == slow.span(c0, c1, len(text)), (c0, c1, text[c0:c1])
+                assert ours.span(c0, c1, len(text)) == theirs.span(c0, c1, len(text)), (c0, c1, text[c0:c1])
     assert lengths.offsets(np.array(backend.encode("a b", add_special_tokens=False).ids), "a  b") is None
     for literal in ("a \u2581b", "\u2581\u2581x"):  # "\u2581" in the text: Gemma tokenises it as a space
         enc = backend.encode(literal, add_special_tokens=False)
@@ -378,7 +378,7 @@ def test_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request,
     for text, enc in zip(random_texts, backend.encode_batch(random_texts, add_special_tokens=False)):
         where = lengths.offsets(np.array(enc.ids), text)
         if where is None:  # only a text the normaliser would change (Qwen2.5's NFC: "e" + a combining accent)
-            assert backend.normalizer is not None and not unicodedata.is_normalized("NFC", text), text
+            assert not all(unicodedata.is_normalized(f, text) for f in lengths._forms), text
             continue
         want = _Tokens([(np.array(enc.ids), enc)], [0]).offsets
         assert np.array_equal(_Tokens([(np.array(enc.ids), where)], [0]).offsets, want), text
