@@ -184,6 +184,24 @@ def _gather_on_rank(rank: int, init: str, out: str) -> None:
                 "equal": all(torch.equal(v, expected[k]) for k, v in plain.state_dict().items())}))
     finally:
         tdist.destroy_process_group()
+    os._exit(0)  # as leansft's ranks end (distributed.left_process_group): torch's gloo threads outlive FSDP2
+
+
+def test_a_rank_that_left_its_process_group_ends_without_the_interpreters_teardown(monkeypatch):
+    """torch leaves gloo's threads running after FSDP2 and functional collectives, and the interpreter's teardown
+    raced them into SIGABRT in about a third of two-rank runs (a finished run reported failed by torchrun): a
+    process that left a process group ends at once with its exit code, output flushed; any other exits as usual."""
+    import leansft.__main__ as entry
+    from leansft.core import distributed
+
+    ended: list[int] = []
+    monkeypatch.setattr(os, "_exit", ended.append)
+    monkeypatch.setattr(entry.logging, "shutdown", lambda: None)  # this process's logging goes on
+    entry._leave(3)
+    assert ended == []  # never in a process group: the usual exit
+    monkeypatch.setattr(distributed, "_LEFT", True)
+    entry._leave(3)
+    assert ended == [3]
 
 
 def test_an_fsdp_export_holds_the_model_once_on_rank_0(tmp_path):

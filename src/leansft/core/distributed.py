@@ -70,6 +70,7 @@ class Heartbeat(threading.Thread):
 
 
 _HEARTBEAT: Heartbeat | None = None  # this process's, from ``init`` until ``shutdown``
+_LEFT = False  # whether this process left a process group (``shutdown``): ``left_process_group``
 
 
 def _store():
@@ -126,8 +127,10 @@ def peer_failure(err: BaseException, timeout_s: float) -> str | None:
 def shutdown(wait: bool = True) -> None:
     """Leave the process group; ``wait``: after a barrier (a run that ended well), else at once (a peer may be
     gone: a barrier would only time out again)."""
+    global _LEFT
     if not is_distributed():
         return
+    _LEFT = True
     if wait:
         tdist.barrier()  # (beating still: a rank that waits here is not the one a timeout should name)
         _stop_heartbeat(2 * Heartbeat.EVERY_S)
@@ -136,6 +139,14 @@ def shutdown(wait: bool = True) -> None:
     _stop_heartbeat(0.2)
     with contextlib.suppress(Exception):
         tdist.destroy_process_group()
+
+
+def left_process_group() -> bool:
+    """Whether this process was one rank of a process group it has left. torch 2.13 keeps gloo's threads running
+    after ``destroy_process_group`` where FSDP2 or functional collectives used the group, and the interpreter's
+    teardown then races them into SIGABRT ("terminate called without an active exception"; about one two-rank
+    FSDP2 run in three on the CPU): such a process ends without that teardown (``leansft.__main__``)."""
+    return _LEFT
 
 
 def _stop_heartbeat(wait_s: float) -> None:
