@@ -637,9 +637,9 @@ class ChatEncoder:
             if self._lengths.lengths is not None and not self._lengths.agree(self._backend, texts[:CHECKED]):
                 self._lengths.lengths = None  # this batch's texts disagree: offsets come from the tokenizer
         out: list = [None] * len(texts)
-        slow = list(range(len(texts)))
-        if self._lengths.lengths is not None:
-            slow = []
+        fast = self._lengths.lengths is not None
+        slow = [] if fast else list(range(len(texts)))
+        if fast:
             for i, enc in enumerate(self._backend.encode_batch_fast(texts, add_special_tokens=False)):
                 ids = np.array(enc.ids, dtype=np.int32)
                 where = self._lengths.offsets(ids, texts[i])
