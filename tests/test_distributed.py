@@ -204,13 +204,26 @@ def test_a_rank_that_left_its_process_group_ends_without_the_interpreters_teardo
     assert ended == [3]
 
 
+def _spawn(mp, fn, args: tuple, nprocs: int, timeout_s: float = 180) -> None:
+    """``mp.spawn`` that fails instead of hanging: ranks still running after ``timeout_s`` are killed."""
+    import time
+
+    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"{fn.__name__}: ranks still running after {timeout_s:.0f} s")
+
+
 def test_an_fsdp_export_holds_the_model_once_on_rank_0(tmp_path):
     """Rank 0 receives each gathered weight into its plain copy before the next is gathered, so beside that copy
     it holds about one tensor, not a gathered state dict the size of the model (7B in fp32: 28 GB more)."""
     import torch.multiprocessing as mp
 
     out = tmp_path / "rank0.json"
-    mp.spawn(_gather_on_rank, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=2)
+    _spawn(mp, _gather_on_rank, (f"file://{tmp_path / 'store'}", str(out)), nprocs=2)
     seen = json.loads(out.read_text())
     assert seen["equal"]
     assert seen["peak"] <= 2 * seen["largest"] < seen["model"] / 3, seen
@@ -506,7 +519,7 @@ def test_ranks_that_share_a_folder_are_found_by_the_token_files_they_read_back(t
     import torch.multiprocessing as mp
 
     out = tmp_path / "rank2.json"
-    mp.spawn(_storage_on_rank, args=(f"file://{tmp_path / 'store'}", str(tmp_path / "disks"), str(out)), nprocs=3)
+    _spawn(mp, _storage_on_rank, (f"file://{tmp_path / 'store'}", str(tmp_path / "disks"), str(out)), nprocs=3)
     seen = json.loads(out.read_text())
     assert seen["split"] == [[0, 1], [2]] and seen["writer"] is True and seen["one"] == [[0, 1, 2]]
     assert seen["left"] == ["a", "b", "shared"]  # the folders, not the probes
