@@ -319,7 +319,7 @@ def test_data_arguments_the_config_refuses_are_one_line_and_bugs_stay_tracebacks
     from leansft.tools import cli
 
     args = argparse.Namespace(data=["d.jsonl"], format="auto", template="auto", loss_on="everything",
-                              cache_dir=None, on_bad_row="error")
+                              cache_dir=None, on_bad_row="error", special_tokens_in_content="warn")
     with pytest.raises(LeanSFTError, match="invalid arguments"):
         cli._data_config(args)
 

@@ -90,3 +90,48 @@ def test_every_template_renders_as_transformers_renders_it(templates):
                     if got != want:
                         differ.append(f"{name} / {kind} / {n} messages / generation prompt {gen}")
     assert not differ, differ[:10]
+
+
+def test_special_tokens_in_answers_over_the_zoo(templates):
+    """Every real template with its paired tokenizer: a stop token written inside an answer is refused (warn, the
+    default); with ``special_tokens_in_content: escape`` the same answer trains its words as plain text (no stop
+    token added), and a conversation without such text gets the same tokens as without escape."""
+    from leansft.core.data.formats import Conversation
+    from leansft.core.data.content_tokens import ContentTokens
+    from leansft.core.data.masking import IGNORE_INDEX
+    from leansft.core.errors import TemplateError
+
+    def chat(answer: str) -> Conversation:
+        return Conversation(messages=[{"role": "user", "content": "Q?"}, {"role": "assistant", "content": answer}],
+                            row=1)
+
+    plain_backends: dict = {}  # one plain-text tokenizer per tokenizer and guarded set (rebuilding one takes ~1 s)
+    checked = 0
+    for name, src in templates.items():
+        tok, warned = zoo._prepared(name, src)
+        stop = zoo.pairing(name)[2][0]
+        try:
+            base = warned.encode([chat("Say it now.")])[0]
+        except TemplateError:  # refused for its own reasons (the zoo's verdicts)
+            continue
+        with pytest.raises(TemplateError, match="stop token"):
+            warned.encode([chat(f"Say {stop} now.")])
+        # the same encoder with the escape policy (a new encoder per template cost 0.3 s each)
+        content = ContentTokens(tok, warned._backend, warned._stop_list, warned._written_tokens(), "escape")
+        key = (zoo.pairing(name)[0], frozenset(t.content for t in tok.added_tokens_decoder.values()
+                                               if not t.special and t.content in content.tokens))
+        content._plain = plain_backends[key] if key in plain_backends else plain_backends.setdefault(key, content.plain())
+        warned._content, kept = content, warned._content
+        try:
+            assert [ids.tolist() for ids, _ in warned.encode([chat("Say it now.")])[0]] == [ids.tolist() for ids, _ in base]
+            (ids, labels), *_ = warned.encode([chat(f"Say {stop} now.")])[0]
+        except TemplateError as err:
+            assert "special_tokens_in_content" in str(err), (name, err)  # refused by name, never wrong
+            continue
+        finally:
+            warned._content = kept
+        stop_id = tok.convert_tokens_to_ids(stop)
+        assert f"Say {stop} now." in tok.decode(ids[labels != IGNORE_INDEX]), name  # the words, trained
+        assert (ids == stop_id).sum() == (base[0][0] == stop_id).sum(), name  # as text: no stop token added
+        checked += 1
+    assert checked >= len(templates) // 2

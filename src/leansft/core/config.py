@@ -27,6 +27,7 @@ Format = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", 
 LossOn = Literal["assistant", "last_assistant", "all"]
 Reasoning = Literal["keep", "drop"]
 MultiTurn = Literal["auto", "single", "per_turn"]
+SpecialInContent = Literal["warn", "refuse", "allow", "escape"]
 Method = Literal["full", "lora", "qlora"]
 LoraInit = Literal["default", "gaussian", "pissa", "olora"]
 Attention = Literal["auto", "flash", "torch_varlen", "sdpa_varlen", "flex"]
@@ -90,6 +91,10 @@ class DataConfig(_Strict):
     max_length: int = Field(2048, gt=0, description="tokens per example at most (`leansft plan` recommends one)")
     truncation: Literal["truncate", "drop"] = Field("truncate",
                                                     description="an example over max_length: truncate it, or drop it")
+    special_tokens_in_content: SpecialInContent = Field(
+        "warn", description="a special token (role marker, control token) written in a message's text, which the "
+        "tokenizer reads as the token itself: warn (counted in the data report), refuse, allow, or escape (trained as "
+        "plain text). A stop token inside an answer is always refused unless escaped")
     on_bad_row: Literal["error", "skip"] = Field("error",
                                                  description="a malformed or refused row: error (naming file, row, "
                                                              "field) or skip (counted)")

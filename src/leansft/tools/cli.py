@@ -27,6 +27,7 @@ from leansft.core.config import (
     LossOn,
     Method,
     SourceConfig,
+    SpecialInContent,
     TrainingConfig,
     load_config,
 )
@@ -92,11 +93,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-bad-row", default=default(DataConfig, "on_bad_row"),
                    choices=get_args(DataConfig.model_fields["on_bad_row"].annotation),
                    help="data.on_bad_row: skip leaves out (and counts) rows that are malformed or refused")
+    p.add_argument("--special-tokens-in-content", default=default(DataConfig, "special_tokens_in_content"),
+                   choices=get_args(SpecialInContent),
+                   help="a special token written in a message's text: warn, refuse, allow, or escape (plain text)")
 
 
 def _data_config(args, max_length: int | None = None) -> DataConfig:
     kw = {"sources": [{"path": d, "format": args.format} for d in args.data], "template": args.template,
-          "loss_on": args.loss_on, "cache_dir": args.cache_dir, "on_bad_row": args.on_bad_row}
+          "loss_on": args.loss_on, "cache_dir": args.cache_dir, "on_bad_row": args.on_bad_row,
+          "special_tokens_in_content": args.special_tokens_in_content}
     if max_length is not None:
         kw["max_length"] = max_length
     try:

@@ -6,6 +6,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from leansft.core.data.content_tokens import special_in_content
 from leansft.core.progress import console as shared_console
 from leansft.core.progress import plural
 
@@ -27,6 +28,9 @@ def template_summary(stats: dict) -> str:
     if stats.get("per_turn_conversations"):
         parts.append(f"per-turn: {stats['per_turn_conversations']:,} conversations -> {stats['per_turn_examples']:,} "
                      f"examples (+{stats['per_turn_extra_tokens']:,} repeated context tokens)")
+    found = special_in_content(stats)
+    if found:
+        parts.append(found)
     return "; ".join(parts)
 
 

@@ -27,7 +27,8 @@ def example_kinds(tokenizer, template: ChatTemplate, cfg: DataConfig, data: Toke
     example whose row cannot be matched shows plain loss/context."""
     shown = range(min(n, len(data)))
     kinds = [np.where(data.example(i)[1] != IGNORE_INDEX, 1, 0).astype(np.int8) for i in shown]
-    encoder = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn)
+    encoder = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn,
+                          cfg.special_tokens_in_content)
     for si, src in enumerate(cfg.sources):
         wanted: dict[int, list[int]] = defaultdict(list)  # row -> the shown examples made from it
         for i in shown:

@@ -23,6 +23,7 @@ import numpy as np
 
 from leansft.core import distributed
 from leansft.core.config import DataConfig, SourceConfig
+from leansft.core.data.content_tokens import special_in_content
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 from leansft.core.data.shards import EXAMPLE_FILES, TOKEN_FILES, prepare_source
 from leansft.core.data.sources import fingerprint
@@ -31,10 +32,11 @@ from leansft.core.errors import DataError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
+# 11: every stop token inside an answer refused, special tokens in messages counted (special_tokens_in_content);
 # 10: every tool call, argument value and the text beside them must be in the generated turn; 9: a stop token inside an answer, and
 # tool calls outside the generated turn, refused; 8: loss spans by the inference contract; 7: thinking in the
 # dedupe key; 6: loss codes
-CACHE_VERSION = "10"
+CACHE_VERSION = "11"
 
 
 @dataclass
@@ -212,6 +214,7 @@ def _cache_key(src: SourceConfig, cfg: DataConfig, tok_fp: str, template: ChatTe
     for part in (
         CACHE_VERSION, fingerprint(src.path), src.format, src.split, tok_fp, template.source, cfg.loss_on,
         cfg.reasoning, cfg.multi_turn, str(cfg.clean.pii_scrub), cfg.on_bad_row, str(cfg.clean.drop_no_assistant),
+        cfg.special_tokens_in_content,
         *([json.dumps(src.columns, sort_keys=True)] if src.columns else []),  # (keys without columns as before)
     ):
         h.update(part.encode() + b"\0")
@@ -241,13 +244,14 @@ def load_source(
     if (folder / "meta.json").exists():
         meta = json.loads((folder / "meta.json").read_text())
         meta["cache"] = "hit"
-        _warn_skipped(meta)
+        _warn_loaded(meta)
         return _open(folder, meta), meta
     meta: dict = {"path": src.path}
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-"))
     try:
-        encoder = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn)
+        encoder = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn,
+                              cfg.special_tokens_in_content)
         prepare_source(src, cfg, encoder, tmp, meta)
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:
@@ -258,16 +262,22 @@ def load_source(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     meta["cache"] = "miss"
-    _warn_skipped(meta)
+    _warn_loaded(meta)
     return _open(folder, meta), meta
 
 
-def _warn_skipped(meta: dict) -> None:
-    """Rows ``on_bad_row: skip`` left out are data the user meant to train on: said on every load, not only
-    when the cache is written."""
-    if meta.get("bad_rows") and distributed.rank() == 0:
+def _warn_loaded(meta: dict) -> None:
+    """Rows ``on_bad_row: skip`` left out are data the user meant to train on, and special tokens written in
+    messages train as the tokens themselves: said on every load, not only when the cache is written."""
+    if distributed.rank() != 0:
+        return
+    if meta.get("bad_rows"):
         log.warning("%d rows skipped (data.on_bad_row: skip), e.g. %s", meta["bad_rows"],
                     meta["bad_row_examples"][0].split("\n")[0])
+    found = special_in_content(meta.get("template", {}))
+    if found:
+        log.warning("%s: %s; they train as the tokens themselves (data.special_tokens_in_content: escape trains "
+                    "them as plain text, refuse refuses them, allow says nothing)", meta["path"], found)
 
 
 def _weighted_indices(n: int, weight: float, rng: np.random.Generator) -> np.ndarray:

@@ -43,8 +43,9 @@ from transformers.utils.chat_template_utils import (
     _render_with_assistant_indices,
 )
 
-from leansft.core.config import LossOn, MultiTurn, Reasoning
+from leansft.core.config import LossOn, MultiTurn, Reasoning, SpecialInContent
 from leansft.core.data.builtin_templates import BUILTIN_TEMPLATES
+from leansft.core.data.content_tokens import MARK, ContentTokens
 from leansft.core.data.formats import Conversation
 from leansft.core.data.shared_prefix import SharedPrefixes
 from leansft.core.data.stops import StopTokens, find_stops
@@ -269,13 +270,16 @@ class ChatEncoder:
     ``multi_turn``: auto (turns the whole rendering holds as at inference share one example, the others are
     rendered apart), single (refuse templates that render history differently), per_turn (always one example
     per assistant turn). ``stats`` counts what was rendered: tool calls, tool results, thinking, stop tokens,
-    per-turn expansion.
+    per-turn expansion, special tokens written in messages. ``special_in_content``: what a special token written in
+    a message's text gets (``content_tokens``; a stop token inside an answer is refused unless escaped).
     """
 
     def __init__(self, tokenizer, template: ChatTemplate, loss_on: LossOn = "assistant",
-                 reasoning: Reasoning = "keep", multi_turn: MultiTurn = "auto") -> None:
+                 reasoning: Reasoning = "keep", multi_turn: MultiTurn = "auto",
+                 special_in_content: SpecialInContent = "warn") -> None:
         for name, value, kind in (("loss_on", loss_on, LossOn), ("reasoning", reasoning, Reasoning),
-                                  ("multi_turn", multi_turn, MultiTurn)):
+                                  ("multi_turn", multi_turn, MultiTurn),
+                                  ("special_tokens_in_content", special_in_content, SpecialInContent)):
             allowed = get_args(kind)
             if value not in allowed:
                 raise TemplateError(f"unknown {name} '{value}'", field=f"data.{name}")
@@ -309,12 +313,31 @@ class ChatEncoder:
         # spans from {% generation %} markers where nothing else says where answers start (read once, not per row)
         self._by_markers = template.has_generation_markers and not self._has_gen_prompt and multi_turn != "per_turn"
         self._stop_list = sorted(set(self.stops.declared + self.stops.fallback), key=len, reverse=True)
-        self._stop_text = re.compile("|".join(map(re.escape, self._stop_list)) or r"(?!)")  # any stop, as text
+        self._content = ContentTokens(tokenizer, self._backend, self._stop_list, self._written_tokens(),
+                                      special_in_content)
         # a tokenizer that marks the start of separately tokenised text ("▁x", "Ġx") cannot tokenise an answer apart
         first = self._backend.encode("x", add_special_tokens=False).tokens
         self._marks_start = bool(first) and first[0] != "x"
         self._prefixes = SharedPrefixes(tokenizer, self._backend)
         self._lengths: TokenLengths | None = None  # built at the first batch (in the worker that needs it)
+
+    def _written_tokens(self) -> set[str]:
+        """The added tokens the template writes around the messages of a plain conversation (role markers, turn
+        delimiters), found by rendering probes."""
+        probes = [[{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+                   {"role": "assistant", "content": "A"}, {"role": "user", "content": "Q"}],
+                  [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+                   {"role": "user", "content": "Q"}]]
+        added = set(self.tok.added_tokens_decoder)
+        found: set[str] = set()
+        for chat in probes:
+            try:
+                text = self._jinja(chat, None, True)
+            except Exception:  # a template that refuses a system message or this order
+                continue
+            enc = self._backend.encode(text, add_special_tokens=False)
+            found |= {t for i, t in zip(enc.ids, enc.tokens) if i in added}
+        return found
 
     # -- rendering -------------------------------------------------------------------------------
     def _for_template(self, conv: Conversation) -> list[dict]:
@@ -547,24 +570,17 @@ class ChatEncoder:
         self.stats["thinking_tokens"] += int(((starts >= at) & (starts < at + len(thinking))).sum())
 
     def _check_turn(self, text: str, c0: int, c1: int, message: dict, ai: int, row: int) -> None:
-        """The loss span ``[c0, c1)`` must hold the whole turn the data give: not end inside the message's own
-        text (a stop token written in it), and hold its tool calls (not dropped, not after the stop) and the text
-        written beside them."""
-        cut = self._cut_inside(text, c0, c1, message)
+        """The loss span ``[c0, c1)`` must hold the whole turn the data give: its tool calls (not dropped, not after
+        the stop) and the text written beside them. (A stop token written inside the message's own text was refused
+        before rendering: ``content_tokens``.)"""
         calls = message.get("tool_calls") or []
-        if cut is None and not calls:  # the common turn: nothing else to look at
+        if not calls:  # the common turn: nothing else to look at
             return
         dropped = _missing_call_text(text[c0:c1], calls)
         said = str(message.get("content") or "")
         lead = _LEADING_THINK.match(said)
         said = (said[lead.end():] if lead else said).strip()
-        if cut is not None:
-            stop = next(t for t in self._stop_list if text.endswith(t, c0, c1))
-            why, field = (f"assistant message {ai} holds the stop token {stop!r} inside its {cut}: the tokenizer "
-                          f"reads that text as the token itself, so the model would learn to stop there and the "
-                          f"rest of the answer would carry no loss"), cut
-            hint = "remove or rewrite that text in the data, or data.on_bad_row: skip to drop such conversations"
-        elif dropped:
+        if dropped:
             why, field = (f"chat template '{self.template.name}' does not write the tool calls of message {ai} into "
                           f"the turn the model generates ({dropped} is not there before its stop token): the model "
                           f"would learn the turn without its tool call"), "tool_calls"
@@ -580,22 +596,6 @@ class ChatEncoder:
         else:
             return
         raise TemplateError(why, row=row, field=f"messages[{ai}].{field}", hint=hint)
-
-    def _cut_inside(self, text: str, c0: int, c1: int, message: dict) -> str | None:
-        """The field (``content``, ``reasoning_content``) inside whose text the loss span ``[c0, c1)`` ends, or
-        None. Only a field that holds a stop token as text can be cut; one ending with it (after trailing
-        whitespace) is not: the model stops where the data's author put the stop."""
-        for name in ("reasoning_content", "content"):
-            body = str(message.get(name) or "")
-            if not body or not self._stop_text.search(body):
-                continue
-            body = body.strip()
-            while stop := next((t for t in self._stop_list if body.endswith(t)), None):
-                body = body[: -len(stop)].rstrip()
-            at = text.find(body, c0) if body else -1
-            if 0 <= at < c1 < at + len(body):
-                return name
-        return None
 
     # -- the batch -------------------------------------------------------------------------------
     def _examples(self, k: int, conv: Conversation, chat: list[dict]) -> tuple[str, list[_Example]]:
@@ -618,10 +618,10 @@ class ChatEncoder:
     def _tokenise(self, examples: list[_Example]) -> list[_Tokens]:
         """Each example's tokens; split examples are tokenised in two pieces, and a text that opens as many do
         (``SharedPrefixes``) after its opening, whose tokens are known."""
-        self._prefixes.learn([ex.text for ex in examples if ex.split is None])
+        self._prefixes.learn([ex.text for ex in examples if ex.split is None and MARK not in ex.text])
         texts, plans = [], []
         for ex in examples:
-            head = self._prefixes.find(ex.text) if ex.split is None else None
+            head = self._prefixes.find(ex.text) if ex.split is None and MARK not in ex.text else None
             cuts = [0, ex.split] if ex.split is not None else [len(head[0]) if head else 0]
             texts += [ex.text[a:b] for a, b in zip(cuts, [*cuts[1:], None])]
             plans.append((head, cuts))
@@ -637,10 +637,17 @@ class ChatEncoder:
             if self._lengths.lengths is not None and not self._lengths.agree(self._backend, texts[:CHECKED]):
                 self._lengths.lengths = None  # this batch's texts disagree: offsets come from the tokenizer
         out: list = [None] * len(texts)
+        escaped = [i for i, text in enumerate(texts) if MARK in text]  # special tokens written in messages, as text
+        for i in escaped:
+            out[i] = self._content.encode(texts[i])
+        if escaped:
+            texts = [text if out[i] is None else "" for i, text in enumerate(texts)]
         fast = self._lengths.lengths is not None
-        slow = [] if fast else list(range(len(texts)))
+        slow = [] if fast else [i for i in range(len(texts)) if out[i] is None]
         if fast:
             for i, enc in enumerate(self._backend.encode_batch_fast(texts, add_special_tokens=False)):
+                if out[i] is not None:
+                    continue
                 ids = np.array(enc.ids, dtype=np.int32)
                 where = self._lengths.offsets(ids, texts[i])
                 if where is None:
@@ -655,10 +662,14 @@ class ChatEncoder:
         """Each conversation's examples with their arrays (text conversations: loss on every token + eos)."""
         out: list[list[tuple[_Example, Encoded]]] = [[] for _ in convs]
         text_idx = [i for i, c in enumerate(convs) if c.text is not None]
+        plain = {i for i in text_idx if self._content.check_text(convs[i].text, convs[i].row, self.stats)}
         if text_idx:
-            enc = self.tok([convs[i].text for i in text_idx], add_special_tokens=True)
+            enc = self.tok([convs[i].text for i in text_idx], add_special_tokens=True)["input_ids"]
+            for k, i in enumerate(text_idx):
+                if i in plain:  # data.special_tokens_in_content: escape
+                    enc[k] = self._content.plain_ids(convs[i].text)
             eos = self.tok.eos_token_id
-            for i, ids in zip(text_idx, enc["input_ids"]):
+            for i, ids in zip(text_idx, enc):
                 if eos is not None and (not ids or ids[-1] != eos):
                     ids = ids + [eos]
                 arr = np.asarray(ids, dtype=np.int32)
@@ -669,6 +680,8 @@ class ChatEncoder:
             if conv.text is not None:
                 continue
             chat = self._for_template(conv)
+            trained = set(range(len(chat))) if self.loss_on == "all" else set(self._loss_turns(chat, conv.messages))
+            chat = self._content.check(chat, trained, conv.row, self.stats)
             full, found = self._examples(i, conv, chat)
             self._check_tools(full, conv.tools, conv.row)
             self._check_context(full, chat, conv.row)
@@ -697,7 +710,8 @@ class ChatEncoder:
             examples = again
         expanded = [i for i in wholes if not (len(out[i]) == 1 and out[i][0][0].text == wholes[i])]
         if expanded:
-            singles = self._backend.encode_batch_fast([wholes[i] for i in expanded], add_special_tokens=False)
+            singles = self._backend.encode_batch_fast([self._content.reveal(wholes[i]) for i in expanded],
+                                                      add_special_tokens=False)
             for i, single in zip(expanded, singles):
                 self.stats["per_turn_conversations"] += 1
                 self.stats["per_turn_examples"] += len(out[i])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 KNOWN_STOPS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|return|>", "<|call|>", "<｜end▁of▁sentence｜>",
     "<|END_OF_TURN_TOKEN|>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<turn|>", "<|assistant_end|>",
-    "<|role_end|>", "<|eot|>", "<|eom|>", "<|end_of_msg|>",
+    "<|role_end|>", "<|eot|>", "<|eom|>", "<|end_of_msg|>", "<eos>",
 )
 _PROBE = "Probe answer 7"
 
