@@ -356,3 +356,21 @@ def test_the_start_line_names_qlora_layers_compute_dtype():
     cfg = load_config(None, ["model=m", "training.method=qlora"])
     assert compute_dtype(cfg, None) == "fp32, 4-bit layers computing in float32"  # auto: fp32 on the CPU
     assert compute_dtype(load_config(None, ["model=m"]), None) == "fp32"
+
+
+@pytest.mark.parametrize("fixture", ["qwen25_path", "gemma3_path"])
+def test_show_mask_prints_whole_characters(tmp_path, capsys, request, fixture):
+    """Hindi, Thai, a ZWJ family emoji and rare CJK (byte fallback in Gemma 3's SentencePiece BPE) split one
+    character's bytes across tokens: show-mask decodes such tokens together, in the terminal and on the page,
+    and marks the run (one underlined piece; on the page a dotted underline listing its tokens)."""
+    tokenizer = request.getfixturevalue(fixture)
+    texts = ["हिन्दी में उत्तर", "ภาษาไทยง่ายมาก", "family 👨‍👩‍👧‍👦 and 🧑🏽‍🚀", "𠜎𠜱𠝹 rare"]
+    rows = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t + " ok"}]} for t in texts]
+    data, page = write_jsonl(tmp_path / "u.jsonl", rows), tmp_path / "m.html"
+    args = ["show-mask", "--data", data, "--tokenizer", tokenizer, "-n", "4", "--cache-dir", str(tmp_path / "c")]
+    assert main(args) == 0
+    said = capsys.readouterr().out
+    assert "\ufffd" not in said and all(t in said for t in texts), said
+    assert main([*args, "--html", str(page)]) == 0
+    text = page.read_text(encoding="utf-8")
+    assert "\ufffd" not in text and 'class="t' in text and " multi" in text and "(one character)" in text

@@ -50,6 +50,27 @@ def example_kinds(tokenizer, template: ChatTemplate, cfg: DataConfig, data: Toke
     return kinds
 
 
+MAX_SPLIT = 8  # tokens one character's bytes may span (4 UTF-8 bytes; byte-fallback pieces of a grapheme)
+
+
+def char_groups(tokenizer, ids: list[int]) -> list[tuple[int, int, str]]:
+    """``(first, end, text)`` runs of tokens decoded together: one token where it decodes to whole characters,
+    else the fewest consecutive tokens whose bytes make whole characters (Hindi, Thai, emoji and byte-fallback
+    pieces split a character's bytes across tokens, and decoding them one by one prints U+FFFD)."""
+    out, i = [], 0
+    while i < len(ids):
+        end, text = i + 1, tokenizer.decode(ids[i : i + 1])
+        if "\ufffd" in text:
+            for j in range(i + 2, min(i + MAX_SPLIT, len(ids)) + 1):
+                joined = tokenizer.decode(ids[i:j])
+                if "\ufffd" not in joined:
+                    end, text = j, joined
+                    break
+        out.append((i, end, text))
+        i = end
+    return out
+
+
 def stop_summary(tokenizer, template: ChatTemplate) -> str:
     """Which stop tokens end assistant turns for this tokenizer and template (the contract's end of the loss)."""
     stops = ChatEncoder(tokenizer, template).stops
@@ -74,8 +95,9 @@ def print_examples(tokenizer, data: TokenizedDataset, n: int, console: Console |
                     "stop_tokens": stop_tokens(tokenizer, labels)})
         kind = kinds[i] if kinds else [int(x != IGNORE_INDEX) for x in labels]
         text = Text()
-        for t, k in zip(ids, kind):
-            text.append(tokenizer.decode([t]), style=STYLES[KINDS[k]])
+        for a, b, piece in char_groups(tokenizer, ids):  # a character split across tokens: underlined, whole
+            k = max(kind[a:b], key=lambda k: k != 0)  # a loss kind where one of the tokens carries loss
+            text.append(piece, style=STYLES[KINDS[k]] + (" underline" if b - a > 1 else ""))
         n_t = sum(1 for x in labels if x != IGNORE_INDEX)
         console.rule(f"example {i} (row {data.rows[i]}): {len(ids)} tokens, {n_t} carry loss, turns end with "
                      f"{', '.join(out[-1]['stop_tokens']) or '-'}")
@@ -92,6 +114,7 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em; }}
 .toks {{ font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.7; }}
 .t {{ border-right: 1px dotted #bbb; }}
 .t:hover {{ outline: 1px solid #333; }}
+.multi {{ text-decoration: underline dotted; }}
 .loss, .target {{ background: #c8f0c8; }}
 .thinking {{ background: #ead1f5; }}
 .tool_call {{ background: #c6e6f5; }}
@@ -104,7 +127,8 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em; }}
 <h1>leansft show-mask</h1>
 <p>{summary}. Loss: <span class="target">answer</span> <span class="thinking">thinking</span>
 <span class="tool_call">tool call</span>; no loss: <span class="tool_result">tool result</span>
-<span class="ctx">context</span>. Hover a token for its index and id.
+<span class="ctx">context</span>. Hover a token for its index and id; a dotted underline is one character whose bytes
+span several tokens.
 <label>show <select id="filter" onchange="filterExamples()">
 <option value="all">all examples</option><option value="noloss">examples with no loss</option>
 <option value="truncated">truncated examples</option></select></label></p>
@@ -125,6 +149,15 @@ def _token_class(label: int, kind: str) -> str:
     return ("loss " if label != IGNORE_INDEX else "") + ("ctx" if kind == "context" else kind)
 
 
+def _html_piece(a: int, b: int, piece: str, ids: list[int], labels: list[int], kind: list[str], cut: int) -> str:
+    """Tokens ``a..b`` (one, or several that share a character's bytes: dotted underline, each listed on hover)."""
+    j = next((j for j in range(a, b) if labels[j] != IGNORE_INDEX), a)  # a loss token's class where one has loss
+    cls = _token_class(labels[j], kind[j]) if a < cut else "cut"
+    which = f"#{a} id {ids[a]}" if b - a == 1 else f"#{a}-{b - 1} ids {', '.join(map(str, ids[a:b]))} (one character)"
+    return (f'<span class="t {cls}{" multi" if b - a > 1 else ""}" title="{which}{"" if a < cut else " (cut off)"}">'
+            f"{html.escape(piece)}</span>")
+
+
 def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None = None,
               kinds: list[np.ndarray] | None = None, stops: str = "") -> str:
     """One self-contained page (inline CSS and script, nothing fetched) of the first ``n`` examples."""
@@ -138,10 +171,7 @@ def html_page(tokenizer, data: TokenizedDataset, n: int, max_length: int | None 
         total_loss += n_loss
         kind = [KINDS[k] for k in kinds[i]] if kinds else ["target" if x != IGNORE_INDEX else "context"
                                                               for x in labels]
-        spans = "".join(
-            f'<span class="t {_token_class(lab, k) if j < cut else "cut"}" '
-            f'title="#{j} id {t}{"" if j < cut else " (cut off)"}">{html.escape(tokenizer.decode([t]))}</span>'
-            for j, (t, lab, k) in enumerate(zip(ids, labels, kind)))
+        spans = "".join(_html_piece(a, b, piece, ids, labels, kind, cut) for a, b, piece in char_groups(tokenizer, ids))
         note = f' <span class="trunc">truncated at {max_length}</span>' if truncated else ""
         ends = html.escape(", ".join(stop_tokens(tokenizer, labels)) or "-")
         parts.append(f'<div class="ex" id="ex{i}" data-loss="{n_loss}" data-truncated="{int(truncated)}">'
