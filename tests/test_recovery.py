@@ -522,3 +522,74 @@ def test_a_max_length_that_leaves_nothing_names_max_length(tmp_path, tiny_run_as
     err = capsys.readouterr().err
     assert "without a target token once cut at data.max_length 16" in err and "raise data.max_length to about" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _written_since(path: Path, t_ns: int) -> bool:
+    try:
+        return path.stat().st_mtime_ns > t_ns
+    except FileNotFoundError:  # not yet, or renamed away with its folder
+        return False
+
+
+def test_kill_9_during_an_async_write_leaves_the_newest_complete_checkpoint(tmp_path, tiny_run_assets):
+    """checkpoint.async: 20 runs killed (SIGKILL) while the background thread writes a checkpoint's files (caught by
+    its half-written .tmp-step-N): each time the newest checkpoint in place verifies and loads, and the run
+    resumed from there ends with the weights of an uninterrupted run, bit for bit. The runs are forked from this
+    process (torch already imported: a new interpreter per kill took 5 s), the write slowed between its files so
+    the kill lands inside it."""
+    import random
+    import time
+
+    steps = 60
+    cfg = run_config(tmp_path / "killed", tiny_run_assets, f"training.max_steps={steps}", "checkpoint.save_every=1",
+                     "checkpoint.keep_last=2", "batching.gradient_accumulation=1")
+    whole = run_config(tmp_path / "whole", tiny_run_assets, f"training.max_steps={steps}", "checkpoint.save_every=1",
+                       "batching.gradient_accumulation=1")
+    assert cfg.checkpoint.async_  # the default
+    train(whole)
+    folder = Path(cfg.output_dir) / "checkpoints"
+    real_write = ckpt.write_safetensors
+
+    def slow_write(tensors, path):  # in the forked run only: the kill's window
+        real_write(tensors, path)
+        time.sleep(0.05)
+
+    caught, rng = 0, random.Random(0)
+    for trial in range(60):  # until 20 kills have landed inside a write
+        started = time.time_ns()
+        pid = os.fork()
+        if pid == 0:  # the run: killed before it ends
+            code = 1
+            try:
+                torch.set_num_threads(1)  # the parent's OpenMP team does not exist here
+                ckpt.write_safetensors = slow_write
+                logging.getLogger("leansft").handlers.clear()
+                train(cfg, resume="auto")
+                code = 0
+            finally:
+                os._exit(code)
+        deadline, writing = time.monotonic() + 120, []
+        while not writing:  # this run's own write under way (a killed run's .tmp-step-N is older)
+            writing = [p for p in folder.glob(".tmp-step-*") if _written_since(p / "model.safetensors", started)
+                       ] if ckpt.list_checkpoints(folder) else []
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                pytest.fail(f"trial {trial}: the run ended before a write could be caught")
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"trial {trial}: no background write seen in 120 s")
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, 0.2))  # at a random point of the write (its files are 50 ms apart), or after
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        caught += writing[0].exists()  # killed inside the write (not just after its rename)
+        newest = ckpt.list_checkpoints(folder)[-1]
+        assert ckpt.damage(newest) is None, (trial, newest, ckpt.damage(newest))
+        assert json.loads((newest / "state.json").read_text())["step"] == int(newest.name.removeprefix("step-"))
+        if caught == 20:
+            break
+    assert caught == 20
+    train(cfg, resume="auto")
+    assert not list(folder.glob(".tmp-*"))
+    got = load_file(str(ckpt.list_checkpoints(folder)[-1] / "model.safetensors"))
+    want = load_file(str(ckpt.list_checkpoints(Path(whole.output_dir) / "checkpoints")[-1] / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)

@@ -213,7 +213,14 @@ class EvalConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
+    # ``async`` is a Python keyword: the field is ``async_``, written and read as ``async``
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, serialize_by_alias=True,
+                              validate_by_name=True, validate_by_alias=True)
+
     save_every: int | None = Field(None, gt=0, description="a checkpoint every N steps (and at the end)")
+    async_: bool = Field(True, alias="async", description="write checkpoints in the background while training goes "
+                         "on (the state copied first; at most one save in flight; the last one awaited). One process "
+                         "only: multi-rank saves stay synchronous")
     keep_last: int = Field(2, ge=1, description="checkpoints kept, newest first")
     keep_best: int = Field(1, ge=0, description="checkpoints kept by best eval loss, besides keep_last")
     export: bool = Field(True,

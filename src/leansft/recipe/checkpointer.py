@@ -8,6 +8,7 @@ stopped), saves the loop's state with the evaluator's, and keeps the last/best o
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import yaml
 from leansft.core import distributed
 from leansft.core.config import RunConfig
 from leansft.core.errors import LeanSFTError
+from leansft.core.io import async_save
 from leansft.core.io import checkpoint_files as ckpt
 from leansft.core.io import run_lock
 from leansft.recipe.batches import Position
@@ -283,6 +285,13 @@ class Checkpointer:
         self.storage = storage or distributed.Storage.one_folder()
         self.config_dict = cfg.model_dump(mode="json")
         self.data_fingerprint = data_fingerprint  # the training data's (TokenizedDataset.fingerprint)
+        # checkpoint.async: one process writes in the background (a multi-rank save's collectives stay here)
+        one = distributed.world_size() == 1 and not sharded
+        self.background = async_save.BackgroundSave(root) if cfg.checkpoint.async_ and one else None
+        self.buffers = async_save.HostBuffers()
+        self.waits: list[float] = []  # seconds the loop waited for each save (staging and a save still in flight)
+        if cfg.checkpoint.async_ and not one and distributed.rank() == 0:
+            log.info("checkpoint.async: saves are written synchronously on %d ranks", distributed.world_size())
 
     def load(self, path: Path | None) -> tuple[TrainState, dict]:
         """The state to continue from (a fresh one without ``path``) and the saved evaluator state."""
@@ -349,8 +358,10 @@ class Checkpointer:
         every = self.cfg.checkpoint.save_every
         return done or bool(every and step % every == 0)
 
-    def save(self, state: TrainState, evaluator: dict) -> None:
-        """Every rank takes part (``save_checkpoint``); then each folder's writer prunes its old ones."""
+    def save(self, state: TrainState, evaluator: dict, last: bool = False) -> None:
+        """Every rank takes part (``save_checkpoint``); then each folder's writer prunes its old ones. With
+        ``checkpoint.async`` (one process) the state is copied and written in the background; ``last``: the run
+        ends after this save, which is then awaited."""
         extra = state.as_dict()
         step = extra.pop("step")
         extra.update(eval_loss=evaluator.get("last_eval_loss"), evaluator=evaluator,
@@ -358,11 +369,44 @@ class Checkpointer:
                      data_parallel=distributed.world_size() // self.cfg.distributed.context_parallel,
                      data_fingerprint=self.data_fingerprint)
         t0 = time.perf_counter()
+        if self.background is not None:
+            self.background.wait()  # at most one save in flight
+            staged = async_save.stage(step, self.root, self.optimizer, self.scheduler, copy.deepcopy(extra),
+                                      self.config_dict, self.buffers)
+            self.background.start(self.folder, staged, self._written)
+            if last:
+                self.background.wait()
+            self.waits.append(time.perf_counter() - t0)
+            return
         path = ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra,
                                     self.config_dict, self.sharded, self.storage)
+        self.waits.append(time.perf_counter() - t0)
+        self._written(path, time.perf_counter() - t0)
+
+    def _written(self, path: Path, seconds: float) -> None:
+        """After a checkpoint is in place (on the writer thread where async): said, and the old ones pruned."""
         if distributed.rank() == 0:
             size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-            log.info("saved checkpoint %s (%.1f MB, %.1f s%s)", path, size / 1e6, time.perf_counter() - t0,
-                     "" if self.storage.shared else f", on each of {len(self.storage.groups)} nodes")
+            log.info("saved checkpoint %s (%.1f MB, %.1f s%s%s)", path, size / 1e6, seconds,
+                     "" if self.storage.shared else f", on each of {len(self.storage.groups)} nodes",
+                     ", in the background" if self.background is not None else "")
         if self.storage.writer():
             ckpt.prune(self.folder, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        """A save still being written is waited for when the loop ends, however it ends: its error raised, unless
+        the loop's own is on its way (then logged)."""
+        if self.background is not None:
+            try:
+                self.background.wait()
+            except LeanSFTError as failed:
+                if err is None:
+                    raise
+                log.error("%s", failed)
+        if self.waits and distributed.rank() == 0:
+            waits = sorted(self.waits)
+            log.info("checkpoints: the training loop waited %.2f s per save (median of %d%s)", waits[len(waits) // 2],
+                     len(waits), ", written in the background" if self.background is not None else "")

@@ -227,7 +227,7 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     steps = Prefetched(batcher.steps(state.position, cfg.batching.gradient_accumulation), depth=2,
                        pin=device.type == "cuda")
     stopped = False
-    with steps, StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) as progress:
+    with steps, StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) as progress, checkpointer:
         while state.step < total_steps and not evaluator.should_stop:
             t0 = time.perf_counter()
             batches, position = next(steps)
@@ -250,7 +250,7 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
             state.finished = state.step == total_steps or evaluator.should_stop
             if checkpointer.should_save(state.step, stopping or state.finished):
                 state.wall_seconds = run.wall()
-                checkpointer.save(state, evaluator.state())
+                checkpointer.save(state, evaluator.state(), last=stopping or state.finished)
             if stopping:
                 log.warning("stopping at step %d (%s)", state.step, "signal" if stopped else "early stopping")
                 break

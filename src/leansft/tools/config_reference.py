@@ -29,7 +29,7 @@ def rows(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str
     out = []
     for name, field in model.model_fields.items():
         sub = _model_of(field.annotation)
-        key = prefix + name
+        key = prefix + (field.alias or name)
         if sub is not None and get_origin(field.annotation) is list:
             out.append((key, "[]", field.description or ""))
             out += rows(sub, key + "[].")

@@ -201,27 +201,16 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
             return
         if sharded and plans:
             (tmp / "dcp" / ".metadata").write_bytes(plans[storage.group()])
-        opt_meta = None
-        if not sharded:
-            write_safetensors(_model_state(root), tmp / "model.safetensors")
-            opt_tensors, opt_meta = _optimizer_state(root, optimizer)
-            write_safetensors(opt_tensors, tmp / "optimizer.safetensors")
+        weights = None if sharded else (_model_state(root), *_optimizer_state(root, optimizer))
         rng_tensors, rng_meta = first["rng"]
-        write_safetensors(_torch_rng_by_rank(rng_tensors, [r["rng"][0] for r in began]), tmp / "rng.safetensors")
-        full_state = {**first["state"], "step": step, "scheduler": first["scheduler"], "optimizer": opt_meta,
-                      "rng": rng_meta, "sharded": sharded, "world_size": distributed.world_size()}
-        (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
-        (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        return _write_manifest(tmp, owned, "node_local" if several else "shared")
+        rng = _torch_rng_by_rank(rng_tensors, [r["rng"][0] for r in began]), rng_meta
+        full_state = {**first["state"], "step": step, "scheduler": first["scheduler"], "sharded": sharded,
+                      "world_size": distributed.world_size()}
+        return write_files(tmp, weights, rng, full_state, config, owned, "node_local" if several else "shared")
 
     def rename():
         if writer:
-            if final.exists():  # this step saved again (a resumed run): an earlier copy leansft wrote is replaced
-                if not _remove_if_ours(final):
-                    raise LeanSFTError(f"{final} exists and holds files leansft does not write there",
-                                       file=str(final), hint="move it out of the checkpoints folder")
-            os.rename(tmp, final)
-            _fsync_dir(folder)
+            put_in_place(tmp, final)
 
     try:
         began = _agreed(begin, step, folder, tmp, writer, root)
@@ -242,6 +231,31 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
             _remove_if_ours(tmp)
         raise
     return final
+
+
+def write_files(tmp: Path, weights: tuple | None, rng: tuple[dict, dict], state: dict, config: dict,
+                owned: dict[str, dict] | None = None, storage: str = "shared") -> dict[str, dict]:
+    """A checkpoint's files into ``tmp``, the manifest last: ``weights`` (model tensors, optimizer tensors, optimizer
+    meta; None where ``dcp/`` holds them), the generators' states, ``state.json`` and ``config.yaml``."""
+    opt_meta = None
+    if weights is not None:
+        model, opt_tensors, opt_meta = weights
+        write_safetensors(model, tmp / "model.safetensors")
+        write_safetensors(opt_tensors, tmp / "optimizer.safetensors")
+    write_safetensors(rng[0], tmp / "rng.safetensors")
+    (tmp / "state.json").write_text(json.dumps({**state, "optimizer": opt_meta, "rng": rng[1]}, indent=1))
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return _write_manifest(tmp, owned, storage)
+
+
+def put_in_place(tmp: Path, final: Path) -> None:
+    """Rename a written checkpoint into place (an earlier copy of the same step that leansft wrote is replaced)."""
+    if final.exists():  # this step saved again (a resumed run)
+        if not _remove_if_ours(final):
+            raise LeanSFTError(f"{final} exists and holds files leansft does not write there",
+                               file=str(final), hint="move it out of the checkpoints folder")
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def _agreed(work, step: int, folder: Path, tmp: Path, writer: bool, root) -> list:

@@ -1,0 +1,86 @@
+"""How long the training loop waits for a checkpoint: ``checkpoint.async`` off (the loop waits for the whole write)
+and on (it waits for the state's copy, and for a save still in flight), side by side in one process.
+
+A full fine-tune of a random model of SmolLM2-135M's shape (49,152 vocabulary; AdamW: weights, two moments) or a
+smaller one, a training step between saves (a checkpoint every step: the worst case), alternating sync / async
+runs. Prints the loop's wait per save, the save's own write time, and the steps' time next to it.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py [--shape smollm2|small] [--saves 4] [--pairs 2] [--tokens 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+from leansft.core.config import load_config
+from leansft.recipe.checkpointer import Checkpointer, TrainState
+
+SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False),
+}
+
+
+def one_run(model, shape_tokens: int, saves: int, use_async: bool, folder: Path) -> dict:
+    cfg = load_config(None, ["model=unused", f"output_dir={folder}", "data.sources=[unused.jsonl]",
+                             f"checkpoint.async={str(use_async).lower()}", "checkpoint.keep_last=1",
+                             "checkpoint.keep_best=0"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt = Checkpointer(cfg, folder, model, opt, sched)
+    ids = torch.randint(0, model.config.vocab_size, (1, shape_tokens))
+    steps, waits = [], []
+    t_all = time.perf_counter()
+    with ckpt:
+        for step in range(1, saves + 1):
+            t0 = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            steps.append(time.perf_counter() - t0)
+            ckpt.save(TrainState(step=step), {}, last=step == saves)
+        waits = list(ckpt.waits)
+    return {"wait": waits, "step": steps, "wall": time.perf_counter() - t_all}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="smollm2", choices=list(SHAPES))
+    ap.add_argument("--saves", type=int, default=4, help="training steps, a checkpoint after each")
+    ap.add_argument("--pairs", type=int, default=2, help="sync/async pairs, alternating")
+    ap.add_argument("--tokens", type=int, default=512, help="tokens in a step's batch")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SHAPES[args.shape], max_position_embeddings=4096))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{args.shape}: {n / 1e6:.0f}M parameters, full fine-tune, AdamW, fp32 on {torch.get_num_threads()} "
+          f"threads; a checkpoint after each of {args.saves} steps of {args.tokens} tokens")
+    got: dict[bool, list[dict]] = {False: [], True: []}
+    for pair in range(args.pairs):
+        for use_async in ((False, True) if pair % 2 == 0 else (True, False)):
+            with tempfile.TemporaryDirectory() as tmp:
+                got[use_async].append(one_run(model, args.tokens, args.saves, use_async, Path(tmp)))
+    for use_async, runs in got.items():
+        # the last save of a run is awaited (the run ends): reported apart from the ones in the middle
+        middle = [w for r in runs for w in r["wait"][:-1]]
+        last = [r["wait"][-1] for r in runs]
+        step = statistics.median(s for r in runs for s in r["step"])
+        print(f"async={str(use_async).lower():5}  loop wait per save: median {statistics.median(middle):.2f} s "
+              f"(max {max(middle):.2f}), the last (awaited) {statistics.median(last):.2f} s; step {step:.2f} s; "
+              f"run wall {statistics.median(r['wall'] for r in runs):.1f} s")
+    sync_wait = statistics.median(w for r in got[False] for w in r["wait"][:-1])
+    async_wait = statistics.median(w for r in got[True] for w in r["wait"][:-1])
+    print(f"loop wait per save, async / sync: {async_wait / sync_wait:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
