@@ -358,7 +358,7 @@ def test_the_start_line_names_qlora_layers_compute_dtype():
     assert compute_dtype(load_config(None, ["model=m"]), None) == "fp32"
 
 
-@pytest.mark.parametrize("fixture", ["qwen25_path", "gemma3_path"])
+@pytest.mark.parametrize("fixture", ["qwen25_path", pytest.param("gemma3_path", marks=pytest.mark.slow)])
 def test_show_mask_prints_whole_characters(tmp_path, capsys, request, fixture):
     """Hindi, Thai, a ZWJ family emoji and rare CJK (byte fallback in Gemma 3's SentencePiece BPE) split one
     character's bytes across tokens: show-mask decodes such tokens together, in the terminal and on the page,

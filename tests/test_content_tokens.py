@@ -57,6 +57,7 @@ def _plan(tmp_path, tokenizer: str, rows: list[dict], *options: str) -> tuple[in
     return rc, data, out
 
 
+@pytest.mark.slow  # four CLI runs per tokenizer (loading Gemma 3's takes 5 s)
 @pytest.mark.parametrize("name", list(REAL))
 def test_stop_tokens_and_role_markers_in_answers_through_the_cli(tmp_path, real_paths, load_tok, capsys, name):
     stops, marker = REAL[name]

@@ -531,6 +531,7 @@ def _written_since(path: Path, t_ns: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_kill_9_during_an_async_write_leaves_the_newest_complete_checkpoint(tmp_path, tiny_run_assets):
     """checkpoint.async: 20 runs killed (SIGKILL) while the background thread writes a checkpoint's files (caught by
     its half-written .tmp-step-N): each time the newest checkpoint in place verifies and loads, and the run

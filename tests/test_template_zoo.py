@@ -92,6 +92,7 @@ def test_every_template_renders_as_transformers_renders_it(templates):
     assert not differ, differ[:10]
 
 
+@pytest.mark.slow  # every template of the zoo
 def test_special_tokens_in_answers_over_the_zoo(templates):
     """Every real template with its paired tokenizer: a stop token written inside an answer is refused (warn, the
     default); with ``special_tokens_in_content: escape`` the same answer trains its words as plain text (no stop
