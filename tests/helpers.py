@@ -170,12 +170,50 @@ def tiny_bloom(folder: Path, tokenizer_dir: str) -> str:
     return str(folder)
 
 
+class _ReaderTensors(dict):
+    """tensor name -> gguf's reader tensor (``.data``, ``.tensor_type``), read on first use (gguf's reader takes
+    seconds over a large vocabulary's fields)."""
+
+    def __init__(self, path) -> None:
+        super().__init__()
+        self._path = path
+
+    def _load(self) -> None:
+        if not super().__len__():
+            import gguf
+
+            self.update({t.name: t for t in gguf.GGUFReader(str(self._path)).tensors})
+
+    def __getitem__(self, key):
+        self._load()
+        return super().__getitem__(key)
+
+    def __iter__(self):
+        self._load()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._load()
+        return super().__len__()
+
+    def items(self):
+        self._load()
+        return super().items()
+
+    def keys(self):
+        self._load()
+        return super().keys()
+
+    def values(self):
+        self._load()
+        return super().values()
+
+
 def gguf_fields(path) -> tuple[dict, dict]:
     """(metadata key -> value, tensor name -> the reader's tensor: ``.data``, ``.tensor_type``) of a GGUF file."""
-    import gguf
+    from leansft.core.gguf.metadata import read_metadata
 
-    reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items()}, {t.name: t for t in reader.tensors}
+    return read_metadata(path), _ReaderTensors(path)
 
 
 def gguf_of(model, tokenizer, path: Path, dtype: str = "f32", stop_ids=()) -> Path:

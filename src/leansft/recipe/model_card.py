@@ -28,10 +28,10 @@ def base_license(model_spec: str) -> str | None:
     path = Path(resolve_package_path(model_spec)) if model_spec.startswith("pkg:") else Path(model_spec)
     if path.is_file() and path.suffix == ".gguf":
         try:
-            from gguf import GGUFReader
+            from leansft.core.gguf.metadata import read_metadata
 
-            field = GGUFReader(str(path)).fields.get("general.license")
-            return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+            value = read_metadata(path, "general.license").get("general.license")
+            return value if isinstance(value, str) else None
         except Exception:  # noqa: BLE001 - a license we cannot read is simply not stated
             return None
     readme = path / "README.md"

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import pre_tokenizers
 
+from leansft.core.gguf.metadata import read_header, tensor_data
 from leansft.core.errors import ModelError
 
 # llama.cpp pre-tokenizer names transformers' GGUF reader does not map (it splits as GPT-2 then), as the
@@ -81,12 +82,16 @@ def _read(path: Path) -> tuple[dict, set[str]]:
     """(metadata but the vocabulary lists, plus the ``rope_freqs`` tensor; tensor names) of a GGUF file."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    fields = {k: f.contents() for k, f in reader.fields.items()
-              if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                           "tokenizer.ggml.scores")}
-    fields.update({t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors if t.name == "rope_freqs.weight"})
-    return fields, {t.name for t in reader.tensors}
+    fields, tensors = read_header(path)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        fields.pop(key, None)
+    if "rope_freqs.weight" in tensors:
+        data = tensor_data(path, tensors["rope_freqs.weight"])
+        if data is None:  # a quantised type: gguf's reader dequantises it
+            reader = gguf.GGUFReader(str(path))
+            data = next(np.asarray(t.data, dtype=np.float32) for t in reader.tensors if t.name == "rope_freqs.weight")
+        fields["rope_freqs.weight"] = data
+    return fields, set(tensors)
 
 
 def _split_as_named(tokenizer, fields: dict, file: str) -> None:

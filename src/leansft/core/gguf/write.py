@@ -280,9 +280,9 @@ def _marker(source: str | None) -> str:
 def exported_by_leansft(path: Path) -> bool:
     """Whether ``path`` is a GGUF file leansft exported (its metadata holds ``GGUF_MARKER_KEY``)."""
     try:
-        from leansft._vendor.llama_cpp.gguf import GGUFReader
+        from leansft.core.gguf.metadata import read_metadata
 
-        return GGUF_MARKER_KEY in GGUFReader(path, "r").fields
+        return GGUF_MARKER_KEY in read_metadata(path, GGUF_MARKER_KEY)
     except Exception:  # noqa: BLE001 - not a GGUF file, or a damaged one: not an export of leansft's
         return False
 
