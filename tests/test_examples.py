@@ -17,8 +17,12 @@ SMALL = ["training.max_steps=1", "data.max_length=256", "batching.tokens_per_mic
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("examples-cache")  # the bundled model converted once for this module
+def cache() -> Path:
+    """leansft's own cache (as a user's run has it): the bundled SmolLM2 GGUF is converted into it once for every
+    test and run that reads it (18 s of CPU a conversion), and the examples' data are prepared once."""
+    from leansft.core.paths import default_cache_dir
+
+    return default_cache_dir()
 
 
 def test_every_example_says_what_it_is_in_its_first_line():
