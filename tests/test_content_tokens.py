@@ -120,3 +120,15 @@ def test_plain_text_rows_are_guarded_too(tmp_path, qwen25_path, capsys):
     rc, _, out = _plan(tmp_path, qwen25_path, [{"text": "A document <|endoftext|> and more."}],
                        "--special-tokens-in-content", "escape")
     assert rc == 0
+
+
+def test_a_stop_the_tokenizer_reads_as_text_is_text(load_tok, qwen25_path):
+    """Qwen's vocabulary holds "</s>" as plain text (it is no added token): an answer about HTML's <s>...</s> trains
+    as written, not refused, and its loss still ends at the turn's <|im_end|>."""
+    tok = load_tok(qwen25_path)
+    encoder = ChatEncoder(tok, resolve_template(tok, None))
+    assert "</s>" in encoder._stop_list and "</s>" not in encoder._content.stops
+    answer = "Use <s>old</s> in HTML."
+    ((ids, labels),), = encoder.encode([Conversation(messages=_chat(answer)["messages"], row=1)])
+    assert tok.decode(ids[labels != IGNORE_INDEX]) == answer + "<|im_end|>"
+    assert "special_in_content_conversations" not in encoder.stats

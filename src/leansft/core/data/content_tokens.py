@@ -6,7 +6,8 @@ there, and ``generate``, llama.cpp and Ollama cut the answer short. A role marke
 in an answer teaches the model to open a user turn.
 
 - A stop token (the encoder's stop set: eos, the generation config's eos ids, the template's end of turn, the
-  well-known ones the vocabulary has) inside the text of a message that carries loss is refused, naming row,
+  well-known ones the vocabulary has, where the tokenizer reads it as one token) inside the text of a message that
+  carries loss is refused, naming row,
   message and token (``on_bad_row: skip`` drops and counts the row). A field that ends with stops is where the
   data's author put the stop: it trains as written.
 - Any other special token in a message's text follows ``data.special_tokens_in_content``: ``warn`` (counted in
@@ -57,8 +58,12 @@ class ContentTokens:
         (role markers, turn delimiters: special or not, as DeepSeek's ``<｜User｜>``)."""
         added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
         special = {t for t, is_special in added.items() if is_special} | (written & set(added))
-        self.stops = set(stops)
-        self.tokens = sorted(self.stops | special - THINKING, key=len, reverse=True)
+        # stops the tokenizer reads as tokens wherever they occur (Qwen's vocabulary holds "</s>" as plain text: an
+        # answer about HTML's <s>...</s> is text; a stop string that ends the turn's span early is refused there)
+        self.stops = {t for t in stops if t in added}
+        # escape hides every stop string too (one the tokenizer reads as text would still end the turn's span)
+        found = self.stops | special - THINKING | (set(stops) if policy == "escape" else set())
+        self.tokens = sorted(found, key=len, reverse=True)
         self.policy = policy
         self._pattern = re.compile("|".join(map(re.escape, self.tokens))) if self.tokens else None
         self._backend = backend

@@ -313,6 +313,7 @@ class ChatEncoder:
         # spans from {% generation %} markers where nothing else says where answers start (read once, not per row)
         self._by_markers = template.has_generation_markers and not self._has_gen_prompt and multi_turn != "per_turn"
         self._stop_list = sorted(set(self.stops.declared + self.stops.fallback), key=len, reverse=True)
+        self._stop_text = re.compile("|".join(map(re.escape, self._stop_list)) or r"(?!)")  # any stop, as text
         self._content = ContentTokens(tokenizer, self._backend, self._stop_list, self._written_tokens(),
                                       special_in_content)
         # a tokenizer that marks the start of separately tokenised text ("▁x", "Ġx") cannot tokenise an answer apart
@@ -570,17 +571,23 @@ class ChatEncoder:
         self.stats["thinking_tokens"] += int(((starts >= at) & (starts < at + len(thinking))).sum())
 
     def _check_turn(self, text: str, c0: int, c1: int, message: dict, ai: int, row: int) -> None:
-        """The loss span ``[c0, c1)`` must hold the whole turn the data give: its tool calls (not dropped, not after
-        the stop) and the text written beside them. (A stop token written inside the message's own text was refused
-        before rendering: ``content_tokens``.)"""
+        """The loss span ``[c0, c1)`` must hold the whole turn the data give: not end inside the message's own
+        text (a stop written in it that the tokenizer reads as text, which ``content_tokens`` lets through, but the
+        turn's end is found at), and hold its tool calls (not dropped, not after the stop) and the text beside them."""
+        cut = self._cut_inside(text, c0, c1, message)
         calls = message.get("tool_calls") or []
-        if not calls:  # the common turn: nothing else to look at
+        if cut is None and not calls:  # the common turn: nothing else to look at
             return
         dropped = _missing_call_text(text[c0:c1], calls)
         said = str(message.get("content") or "")
         lead = _LEADING_THINK.match(said)
         said = (said[lead.end():] if lead else said).strip()
-        if dropped:
+        if cut is not None:
+            stop = next(t for t in self._stop_list if text.endswith(t, c0, c1))
+            why, field = (f"assistant message {ai} holds the stop token {stop!r} inside its {cut}: the turn's loss "
+                          f"would end there, and the rest of the answer would carry none"), cut
+            hint = "remove or rewrite that text in the data, or data.on_bad_row: skip to drop such conversations"
+        elif dropped:
             why, field = (f"chat template '{self.template.name}' does not write the tool calls of message {ai} into "
                           f"the turn the model generates ({dropped} is not there before its stop token): the model "
                           f"would learn the turn without its tool call"), "tool_calls"
@@ -596,6 +603,22 @@ class ChatEncoder:
         else:
             return
         raise TemplateError(why, row=row, field=f"messages[{ai}].{field}", hint=hint)
+
+    def _cut_inside(self, text: str, c0: int, c1: int, message: dict) -> str | None:
+        """The field (``content``, ``reasoning_content``) inside whose text the loss span ``[c0, c1)`` ends, or
+        None. Only a field that holds a stop token as text can be cut; one ending with it (after trailing
+        whitespace) is not: the model stops where the data's author put the stop."""
+        for name in ("reasoning_content", "content"):
+            body = str(message.get(name) or "")
+            if not body or not self._stop_text.search(body):
+                continue
+            body = body.strip()
+            while stop := next((t for t in self._stop_list if body.endswith(t)), None):
+                body = body[: -len(stop)].rstrip()
+            at = text.find(body, c0) if body else -1
+            if 0 <= at < c1 < at + len(body):
+                return name
+        return None
 
     # -- the batch -------------------------------------------------------------------------------
     def _examples(self, k: int, conv: Conversation, chat: list[dict]) -> tuple[str, list[_Example]]:
