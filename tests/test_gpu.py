@@ -259,3 +259,38 @@ def test_a_recipe_step_syncs_the_host_once(tmp_path, tiny_run_assets, monkeypatc
     sites = {(f, n) for f, n, _ in found}
     assert len(sites) == 1 and next(iter(sites))[0] == "train.py", found
     assert len(found) == 3, found  # steps 2, 3 and 4: one each
+
+
+def test_an_async_checkpoint_on_cuda_holds_the_state_of_its_step(tmp_path):
+    """checkpoint.async on CUDA: the weights and Adam state are copied into pinned host buffers on the current
+    stream, and the step after the save (which changes them on the device) does not reach the files: they hold the
+    values of the saved step, and the buffers are reused by the next save."""
+    from safetensors.torch import load_file
+
+    from leansft.core.config import load_config
+    from leansft.recipe.checkpointer import Checkpointer, TrainState
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen2").cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = load_config(None, ["model=unused", f"output_dir={tmp_path}", "data.sources=[unused.jsonl]",
+                             "checkpoint.keep_last=3", "checkpoint.keep_best=0"])
+    ckpt = Checkpointer(cfg, tmp_path, model, opt, sched)
+    assert ckpt.background is not None
+    ids = torch.randint(0, model.config.vocab_size, (1, 256), device="cuda")
+    saved = {}
+    with ckpt:
+        for step in (1, 2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            saved[step] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            ckpt.save(TrainState(step=step), {}, last=step == 2)
+            model(input_ids=ids, labels=ids).loss.backward()  # the next step's work, while the save is written
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert any(t.is_pinned() for t in ckpt.buffers._held.values())
+    for step in (1, 2):
+        got = load_file(str(tmp_path / "checkpoints" / f"step-{step}" / "model.safetensors"))
+        assert got and all(torch.equal(got[k], saved[step][k]) for k in got), step
