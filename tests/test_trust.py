@@ -399,3 +399,25 @@ def test_the_command_imports_no_torch_before_it_needs_it():
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
     assert r.stdout.strip() == "2 []", (r.stdout, r.stderr[-2000:], time.monotonic() - t0)
+
+
+@pytest.mark.parametrize("background", ["true", "false"])
+def test_a_save_refuses_a_temporary_folder_of_someone_elses_and_leaves_it(tmp_path, tiny_run_assets, capsys,
+                                                                          background):
+    """A user's folder named as a save's temporary one (``.tmp-step-2`` with notes in it): the save, written in the
+    background or not, stops in one line naming it, and the folder and the checkpoints before it are left as they
+    were; a half-written ``.tmp-step-1`` of leansft's own is replaced."""
+    folder = tmp_path / "run" / "checkpoints"
+    mine, half = folder / ".tmp-step-2", folder / ".tmp-step-1"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"half")
+    cfg = config_file(tmp_path, tiny_run_assets, "training.max_steps=3", "checkpoint.save_every=1",
+                      f"checkpoint.async={background}")
+    assert main(["train", cfg]) == 2
+    err = capsys.readouterr().err
+    assert f"{mine} exists and holds files leansft does not write there" in err and "Traceback" not in err
+    assert (mine / "notes.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert [p.name for p in ckpt.list_checkpoints(folder)] == ["step-1"] and ckpt.damage(folder / "step-1") is None
+    assert not half.exists()
