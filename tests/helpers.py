@@ -3,10 +3,12 @@ configs, small data files and run configs. Test modules import from here; confte
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import shutil
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -170,43 +172,27 @@ def tiny_bloom(folder: Path, tokenizer_dir: str) -> str:
     return str(folder)
 
 
-class _ReaderTensors(dict):
+class _ReaderTensors(Mapping):
     """tensor name -> gguf's reader tensor (``.data``, ``.tensor_type``), read on first use (gguf's reader takes
     seconds over a large vocabulary's fields)."""
 
     def __init__(self, path) -> None:
-        super().__init__()
         self._path = path
 
-    def _load(self) -> None:
-        if not super().__len__():
-            import gguf
+    @functools.cached_property
+    def _tensors(self) -> dict:
+        import gguf
 
-            self.update({t.name: t for t in gguf.GGUFReader(str(self._path)).tensors})
+        return {t.name: t for t in gguf.GGUFReader(str(self._path)).tensors}
 
     def __getitem__(self, key):
-        self._load()
-        return super().__getitem__(key)
+        return self._tensors[key]
 
     def __iter__(self):
-        self._load()
-        return super().__iter__()
+        return iter(self._tensors)
 
     def __len__(self) -> int:
-        self._load()
-        return super().__len__()
-
-    def items(self):
-        self._load()
-        return super().items()
-
-    def keys(self):
-        self._load()
-        return super().keys()
-
-    def values(self):
-        self._load()
-        return super().values()
+        return len(self._tensors)
 
 
 def gguf_fields(path) -> tuple[dict, dict]:

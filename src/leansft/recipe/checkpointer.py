@@ -286,9 +286,9 @@ class Checkpointer:
         self.config_dict = cfg.model_dump(mode="json")
         self.data_fingerprint = data_fingerprint  # the training data's (TokenizedDataset.fingerprint)
         # checkpoint.async: one process writes in the background (a multi-rank save's collectives stay here)
-        one = distributed.world_size() == 1 and not sharded
+        one = distributed.world_size() == 1
         self.background = async_save.BackgroundSave(root) if cfg.checkpoint.async_ and one else None
-        self.buffers = async_save.HostBuffers()
+        self.buffers = async_save.HostBuffers() if self.background is not None else None
         self.waits: list[float] = []  # seconds the loop waited for each save (staging and a save still in flight)
         if cfg.checkpoint.async_ and not one and distributed.rank() == 0:
             log.info("checkpoint.async: saves are written synchronously on %d ranks", distributed.world_size())

@@ -65,6 +65,7 @@ class ContentTokens:
         found = self.stops | special - THINKING | (set(stops) if policy == "escape" else set())
         self.tokens = sorted(found, key=len, reverse=True)
         self.policy = policy
+        self.escaping = policy == "escape"  # renderings may hold placeholders (``MARK``)
         self._pattern = re.compile("|".join(map(re.escape, self.tokens))) if self.tokens else None
         self._backend = backend
         self._plain = None  # the backend matching none of ``tokens``, built at the first escaped text
@@ -84,7 +85,7 @@ class ContentTokens:
                 hits = list(self._pattern.finditer(text))
                 if not hits:
                     continue
-                if self.policy == "escape":
+                if self.escaping:
                     if _NONCHARACTERS.search(text):
                         raise TemplateError(f"message {i} holds Unicode noncharacters (U+FDD0-U+FDEF), which "
                                             f"data.special_tokens_in_content: escape uses as placeholders", row=row,
@@ -92,7 +93,7 @@ class ContentTokens:
                     escaped = escaped if escaped is not None else [dict(x) for x in chat]
                     _set(escaped[i], field, self._pattern.sub(lambda h: self._hide(h.group()), text))
                     continue
-                body = _strip_stops(text, self.stops) if m["role"] == "assistant" else len(text)
+                body = before_stops(text, self.stops) if m["role"] == "assistant" else len(text)
                 for hit in hits:
                     token = hit.group()
                     if token in self.stops and i in trained and hit.start() < body:
@@ -202,8 +203,8 @@ def _set(message: dict, field: str, text: str) -> None:
     message[name] = parts
 
 
-def _strip_stops(text: str, stops: set[str]) -> int:
-    """Where a text's trailing stops (and whitespace between them) begin."""
+def before_stops(text: str, stops) -> int:
+    """Where a text's trailing stops (and the whitespace around them) begin."""
     body = text.rstrip()
     while stop := next((t for t in stops if body.endswith(t)), None):
         body = body[: -len(stop)].rstrip()

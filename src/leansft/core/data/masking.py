@@ -45,7 +45,7 @@ from transformers.utils.chat_template_utils import (
 
 from leansft.core.config import LossOn, MultiTurn, Reasoning, SpecialInContent
 from leansft.core.data.builtin_templates import BUILTIN_TEMPLATES
-from leansft.core.data.content_tokens import MARK, ContentTokens
+from leansft.core.data.content_tokens import MARK, ContentTokens, before_stops
 from leansft.core.data.formats import Conversation
 from leansft.core.data.shared_prefix import SharedPrefixes
 from leansft.core.data.stops import StopTokens, find_stops
@@ -613,8 +613,7 @@ class ChatEncoder:
             if not body or not self._stop_text.search(body):
                 continue
             body = body.strip()
-            while stop := next((t for t in self._stop_list if body.endswith(t)), None):
-                body = body[: -len(stop)].rstrip()
+            body = body[: before_stops(body, self._stop_list)]
             at = text.find(body, c0) if body else -1
             if 0 <= at < c1 < at + len(body):
                 return name
@@ -641,10 +640,11 @@ class ChatEncoder:
     def _tokenise(self, examples: list[_Example]) -> list[_Tokens]:
         """Each example's tokens; split examples are tokenised in two pieces, and a text that opens as many do
         (``SharedPrefixes``) after its opening, whose tokens are known."""
-        self._prefixes.learn([ex.text for ex in examples if ex.split is None and MARK not in ex.text])
+        whole = [ex.split is None and not (self._content.escaping and MARK in ex.text) for ex in examples]
+        self._prefixes.learn([ex.text for ex, w in zip(examples, whole) if w])
         texts, plans = [], []
-        for ex in examples:
-            head = self._prefixes.find(ex.text) if ex.split is None and MARK not in ex.text else None
+        for ex, w in zip(examples, whole):
+            head = self._prefixes.find(ex.text) if w else None
             cuts = [0, ex.split] if ex.split is not None else [len(head[0]) if head else 0]
             texts += [ex.text[a:b] for a, b in zip(cuts, [*cuts[1:], None])]
             plans.append((head, cuts))
@@ -660,7 +660,7 @@ class ChatEncoder:
             if self._lengths.lengths is not None and not self._lengths.agree(self._backend, texts[:CHECKED]):
                 self._lengths.lengths = None  # this batch's texts disagree: offsets come from the tokenizer
         out: list = [None] * len(texts)
-        escaped = [i for i, text in enumerate(texts) if MARK in text]  # special tokens written in messages, as text
+        escaped = [i for i, text in enumerate(texts) if MARK in text] if self._content.escaping else []
         for i in escaped:
             out[i] = self._content.encode(texts[i])
         if escaped:
@@ -733,8 +733,8 @@ class ChatEncoder:
             examples = again
         expanded = [i for i in wholes if not (len(out[i]) == 1 and out[i][0][0].text == wholes[i])]
         if expanded:
-            singles = self._backend.encode_batch_fast([self._content.reveal(wholes[i]) for i in expanded],
-                                                      add_special_tokens=False)
+            whole = [self._content.reveal(wholes[i]) if self._content.escaping else wholes[i] for i in expanded]
+            singles = self._backend.encode_batch_fast(whole, add_special_tokens=False)
             for i, single in zip(expanded, singles):
                 self.stats["per_turn_conversations"] += 1
                 self.stats["per_turn_examples"] += len(out[i])

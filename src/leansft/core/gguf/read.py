@@ -80,14 +80,14 @@ def _rope_parameters(fields: dict, names: set[str], arch: str, base: float, head
 
 def _read(path: Path) -> tuple[dict, set[str]]:
     """(metadata but the vocabulary lists, plus the ``rope_freqs`` tensor; tensor names) of a GGUF file."""
-    import gguf
-
     fields, tensors = read_header(path)
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
         fields.pop(key, None)
     if "rope_freqs.weight" in tensors:
         data = tensor_data(path, tensors["rope_freqs.weight"])
         if data is None:  # a quantised type: gguf's reader dequantises it
+            import gguf
+
             reader = gguf.GGUFReader(str(path))
             data = next(np.asarray(t.data, dtype=np.float32) for t in reader.tensors if t.name == "rope_freqs.weight")
         fields["rope_freqs.weight"] = data

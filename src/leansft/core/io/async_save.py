@@ -74,11 +74,7 @@ def write(folder: Path, staged: Staged) -> Path:
     final, tmp = folder / f"{ckpt.PREFIX}{staged.step}", folder / f".tmp-{ckpt.PREFIX}{staged.step}"
     if staged.copied is not None:
         staged.copied.synchronize()
-    folder.mkdir(parents=True, exist_ok=True)
-    if not ckpt._remove_if_ours(tmp) and tmp.exists():
-        raise LeanSFTError(f"{tmp} exists and holds files leansft does not write there", file=str(tmp),
-                           hint="move it out of the checkpoints folder")
-    tmp.mkdir()
+    ckpt.fresh_tmp(tmp)
     try:
         ckpt.write_files(tmp, staged.weights, staged.rng, staged.state, staged.config)
         ckpt.put_in_place(tmp, final)
@@ -129,10 +125,6 @@ class BackgroundSave:
         if err is not None:
             if isinstance(err, LeanSFTError):
                 raise err
-            text, full = ckpt._why_not_written(err, self._root, self._folder)
-            kept = ", ".join(p.name for p in ckpt.list_checkpoints(self._folder)) or "none"
-            raise LeanSFTError(f"cannot write checkpoint step-{self._step}: {text}; kept: {kept} (intact)",
-                               file=str(self._folder),
-                               hint="free space or point output_dir elsewhere, then resume with --resume auto"
-                               if full else None) from err
+            raise ckpt.not_written(self._step, self._folder, *ckpt._why_not_written(err, self._root, self._folder)
+                                   ) from err
         return time.perf_counter() - t0

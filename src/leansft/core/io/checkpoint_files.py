@@ -176,11 +176,9 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
 
     def begin():
         if writer:
-            folder.mkdir(parents=True, exist_ok=True)
-            if not _remove_if_ours(tmp) and tmp.exists():
-                raise LeanSFTError(f"{tmp} exists and holds files leansft does not write there", file=str(tmp),
-                                   hint="move it out of the checkpoints folder")
-            (tmp / "dcp" if sharded else tmp).mkdir(parents=True)
+            fresh_tmp(tmp)
+            if sharded:
+                (tmp / "dcp").mkdir()
         # what every folder holds is rank 0's (and every rank's generator state): the writers of other groups get it
         if rank == 0:
             return {"state": state, "scheduler": scheduler.state_dict(), "rng": _rng_state()}
@@ -248,6 +246,16 @@ def write_files(tmp: Path, weights: tuple | None, rng: tuple[dict, dict], state:
     return _write_manifest(tmp, owned, storage)
 
 
+def fresh_tmp(tmp: Path) -> None:
+    """An empty ``tmp`` folder for a checkpoint being written: a leftover leansft wrote (a killed run's) is removed,
+    one holding anything else is refused and left."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if not _remove_if_ours(tmp) and tmp.exists():
+        raise LeanSFTError(f"{tmp} exists and holds files leansft does not write there", file=str(tmp),
+                           hint="move it out of the checkpoints folder")
+    tmp.mkdir()
+
+
 def put_in_place(tmp: Path, final: Path) -> None:
     """Rename a written checkpoint into place (an earlier copy of the same step that leansft wrote is replaced)."""
     if final.exists():  # this step saved again (a resumed run)
@@ -275,10 +283,14 @@ def _agreed(work, step: int, folder: Path, tmp: Path, writer: bool, root) -> lis
     if own is not None and not isinstance(own, OSError) and not why[1]:
         raise own  # not the disk's doing: its traceback here; the other ranks name this rank
     who, (text, full) = failed[0]
-    where = f"{who}: " if distributed.world_size() > 1 else ""
+    raise not_written(step, folder, (f"{who}: " if distributed.world_size() > 1 else "") + text, full)
+
+
+def not_written(step: int, folder: Path, why: str, full: bool) -> LeanSFTError:
+    """The one line a failed save ends with: what went wrong, and the checkpoints kept."""
     kept = ", ".join(p.name for p in list_checkpoints(folder)) or "none"
-    raise LeanSFTError(f"cannot write checkpoint step-{step}: {where}{text}; kept: {kept} (intact)", file=str(folder),
-                       hint="free space or point output_dir elsewhere, then resume with --resume auto" if full else None)
+    return LeanSFTError(f"cannot write checkpoint step-{step}: {why}; kept: {kept} (intact)", file=str(folder),
+                        hint="free space or point output_dir elsewhere, then resume with --resume auto" if full else None)
 
 
 def _why_not_written(err: Exception, root, folder: Path) -> tuple[str, bool]:
