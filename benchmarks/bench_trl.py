@@ -5,7 +5,7 @@ loss on the answers only, AdamW at a constant learning rate, gradient clipping 1
 checkpointing, in the same precision (TRL's own defaults, gradient checkpointing on and bf16 on, are
 switched to match leansft's; ``--precision bf16`` sets TRL's ``bf16=True`` and leansft's bf16 autocast).
 Each side runs in its own subprocess: a short pass under the live-tensor memory tracker (peak bytes, from
-the model's loading on), then the timed run. Sides alternate (TRL, leansft, TRL, leansft, ...) for
+the model's loading on), then the timed run (``--quick``, the miniature: every side in one process, no tracked pass). Sides alternate (TRL, leansft, TRL, leansft, ...) for
 ``--pairs`` pairs, so a busy machine slows both alike; before each pair and after the last a child measures the CPU's fp32 matmul rate
 (the ``host:`` line), so a reader sees whether the host's speed moved during the comparison. Real tokens/s:
 TRL's over ``trainer.train()``, leansft's over its training steps (model loading, data preparation, the
@@ -379,13 +379,13 @@ def step_clock():
     return StepClock()
 
 
-def child(kind: str, settings: dict) -> None:
+def measure(kind: str, settings: dict) -> dict:
+    """One side's figures (``kind``: host, leansft:STRATEGY, trl, trl:best+compile, trl:shipped)."""
     if kind == "host":  # this CPU's fp32 matmul rate now, MKL's kernels as leansft runs them
         import torch
         from common import measured_peak
 
-        print("RESULT " + json.dumps({"fp32_gflops": round(measured_peak(torch.float32) / 1e9, 1)}))
-        return
+        return {"fp32_gflops": round(measured_peak(torch.float32) / 1e9, 1)}
     side, strategy = (kind.split(":") + [""])[:2]
     if side == "trl":  # trl (at its best), trl:best+compile, trl:shipped
         settings = {**settings, "trl": "shipped" if strategy == "shipped" else "best",
@@ -396,19 +396,23 @@ def child(kind: str, settings: dict) -> None:
 
         torch.cuda.reset_peak_memory_stats()
         res = run(False)
-        print("RESULT " + json.dumps({**res, "peak_bytes": torch.cuda.max_memory_allocated()}))
-        return
-    if settings.get("quick"):  # the miniature: the timed run alone, its process's peak (no tracked pass)
+        return {**res, "peak_bytes": torch.cuda.max_memory_allocated()}
+    if settings.get("quick"):  # the miniature: the timed run alone, the process's peak so far (no tracked pass)
         import resource
 
         res = run(False)
-        print("RESULT " + json.dumps({**res, "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
-        return
+        return {**res, "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     mem = run(True)
-    print("RESULT " + json.dumps({**run(False), **mem}))
+    return {**run(False), **mem}
 
 
 def run_child(kind: str, settings: dict) -> dict:
+    """One side in its own process (its own imports, memory and compiled code), or under --quick in this one: the
+    miniature rehearses the code, not the comparison, and one process saves it two sets of imports."""
+    if settings.get("quick"):
+        res = measure(kind, settings)
+        print(kind, json.dumps(res), flush=True)
+        return res
     # --malloc: both sides under the malloc settings `cpu.malloc_tunables` gives `leansft train` (core/cpu/malloc.py)
     env = dict(os.environ)
     if settings.get("malloc"):
@@ -442,12 +446,12 @@ def main() -> None:
                     help="TRL's torch_compile; both: each in the first pair, the faster after (default: both on CUDA)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default: 3 on CUDA, 0)")
     ap.add_argument("--quick", action="store_true",
-                    help="the miniature gpu_check.sh runs on the CPU: no host-rate children, no tracked memory pass")
+                    help="the miniature gpu_check.sh runs on the CPU: every side in this process, no host rate, no tracked pass")
     ap.add_argument("--child", default=None)
     ap.add_argument("--settings", default=None)
     args = ap.parse_args()
     if args.child:
-        child(args.child, json.loads(args.settings))
+        print("RESULT " + json.dumps(measure(args.child, json.loads(args.settings))))
         return
     shutil.rmtree(WORK, ignore_errors=True)
     smol = args.workload == "smollm2"

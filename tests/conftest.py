@@ -153,3 +153,33 @@ def pytest_runtest_protocol(item, nextitem):
                                                                      "children_system"))
         with open(out, "a") as f:
             f.write(f"{spent:.1f}\t{item.nodeid}\n")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _gguf_files_read_once():
+    """gguf-py's reader parses a file's metadata element by element (~12 s for a 151k-token vocabulary), and
+    transformers reads a GGUF file three times over to load it (config, weights, tokenizer): here each file is
+    read once per test session. Keyed by the file itself (device, inode, size, modification time), so a file
+    written again is read again; what transformers reads back is unchanged."""
+    import functools
+
+    try:
+        import gguf
+    except ImportError:  # the [gguf] extra not installed: its tests skip themselves
+        yield
+        return
+    plain = gguf.GGUFReader
+
+    @functools.lru_cache(maxsize=4)
+    def read(path: str, mode: str, key: tuple):
+        return plain(path, mode)
+
+    def reader(path, mode="r"):
+        if mode != "r":
+            return plain(path, mode)
+        st = os.stat(path)
+        return read(os.path.realpath(path), mode, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+
+    gguf.GGUFReader = reader
+    yield
+    gguf.GGUFReader = plain
