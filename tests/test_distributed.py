@@ -64,15 +64,29 @@ def single(tmp_path_factory, tiny_run_assets):
     return Path(cfg.output_dir)
 
 
+@pytest.fixture(scope="module")
+def fsdp_two_ranks(tmp_path_factory, tiny_run_assets, single) -> tuple[Path, str]:
+    """Three steps on two FSDP ranks (accumulation 1), a checkpoint after each, and what rank 0 said: compared with
+    the one-process run below, and its step-1 checkpoint the first leg of two resumes (one launch for both)."""
+    tmp = tmp_path_factory.mktemp("fsdp_two_ranks")
+    cfg = run_config(tmp, tiny_run_assets, "training.max_steps=3", "batching.gradient_accumulation=1",
+                     "checkpoint.export=true", "training.learning_rate=1e-4", "distributed.strategy=fsdp",
+                     "checkpoint.save_every=1", "checkpoint.keep_last=3", f"data.cache_dir={single.parent / 'cache'}")
+    return tmp, launch(write(cfg, tmp / "c.yaml"), 2)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, single, strategy):
-    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=3", "batching.gradient_accumulation=1",
-                     "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
-                     f"data.cache_dir={single.parent / 'cache'}")
-    said = launch(write(cfg, tmp_path / "c.yaml"), 2)
+def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, single, strategy, request):
+    if strategy == "fsdp":
+        folder, said = request.getfixturevalue("fsdp_two_ranks")
+        run = folder / "run"
+    else:
+        cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=3", "batching.gradient_accumulation=1",
+                         "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
+                         f"data.cache_dir={single.parent / 'cache'}")
+        said, run = launch(write(cfg, tmp_path / "c.yaml"), 2), Path(cfg.output_dir)
     # rank 0 alone tells the story, and says how the ranks share the work
     assert said.count("training 3 steps") == 1 and f"{strategy.upper()} over 2 ranks" in said, said[-3000:]
-    run = Path(cfg.output_dir)
     ref, got = losses(single), losses(run)
     assert set(got) == set(ref)
     # counters are global sums over ranks, so they equal the single-process run's
@@ -115,29 +129,21 @@ def test_lora_under_two_ranks(tmp_path, tiny_run_assets, strategy):
     assert exported and not any("lora" in k for k in exported)  # merged on export
 
 
-@pytest.fixture(scope="module")
-def fsdp_step1(tmp_path_factory, tiny_run_assets, single) -> Path:
-    """One step on two FSDP ranks (accumulation 1), checkpointed: the first leg of two resumes below."""
-    tmp = tmp_path_factory.mktemp("fsdp_step1")
-    cfg = run_config(tmp, tiny_run_assets, "training.max_steps=1", "batching.gradient_accumulation=1",
-                     "checkpoint.export=true", "training.learning_rate=1e-4", "distributed.strategy=fsdp",
-                     f"data.cache_dir={single.parent / 'cache'}")
-    launch(write(cfg, tmp / "c.yaml"), 2)
-    return tmp
-
-
 @pytest.mark.parametrize("first,then", [((1, "ddp"), (2, "fsdp")), ((2, "fsdp"), (1, "ddp")),
                                         ((2, "fsdp"), (2, "ddp"))],
                          ids=["1-to-fsdp2", "fsdp2-to-1", "fsdp-to-ddp"])  # DDP's checkpoint is a single process's
-def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, single, fsdp_step1, first, then):
+def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, single, fsdp_two_ranks, first,
+                                                   then):
     """Saved on N ranks (DDP or FSDP), resumed on M: the global step (world x accumulation) is kept and the
     run continues the uninterrupted run's loss sequence; the exported weights agree. The two-rank FSDP first
-    leg is run once (``fsdp_step1``) and copied for each resume."""
+    leg is ``fsdp_two_ranks`` up to its step-1 checkpoint, copied for each resume without what came after."""
     (n, strategy), (m, strategy_after) = first, then
     run = tmp_path / "run"
     if n == 2:
-        shutil.copytree(fsdp_step1 / "run", run)
-        path = str(fsdp_step1 / "c.yaml")
+        shutil.copytree(fsdp_two_ranks[0] / "run", run)
+        for later in ("checkpoints/step-2", "checkpoints/step-3", "final"):
+            shutil.rmtree(run / later)
+        path = str(fsdp_two_ranks[0] / "c.yaml")
     else:
         cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=1", "batching.gradient_accumulation=2",
                          "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
