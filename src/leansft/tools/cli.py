@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import get_args
@@ -241,6 +242,11 @@ def cmd_train(args) -> int:
         logging.getLogger("leansft").warning("restart %s under torchrun: resuming from the newest complete checkpoint "
                                              "(--resume auto)", os.environ["TORCHELASTIC_RESTART_COUNT"])
         resume = "auto"
+    if args.serve and int(os.environ.get("RANK", "0")) == 0:
+        from leansft.tools import run_page as server
+
+        page = server.start([Path(cfg.output_dir)], args.host, args.port)
+        logging.getLogger("leansft").info("the run page: %s", server.url(page))
     return main_train(cfg, resume)
 
 
@@ -281,8 +287,30 @@ def cmd_chat(args) -> int:
 def cmd_report(args) -> int:
     from leansft.recipe.report import write_report
 
-    for path in write_report(Path(args.run_dir)):
+    if args.serve:
+        return serve_page([Path(p) for p in args.run_dir], args.host, args.port)
+    if len(args.run_dir) != 1:
+        raise LeanSFTError("report writes one run's report: several folders are for --serve")
+    for path in write_report(Path(args.run_dir[0])):
         print(f"wrote {path}")
+    return 0
+
+
+def serve_page(folders: list[Path], host: str, port: int) -> int:
+    """The live run page until Ctrl-C."""
+    from leansft.tools import run_page as server
+
+    for folder in folders:
+        if not folder.is_dir():
+            raise LeanSFTError("not a folder", file=str(folder))
+    page = server.start(folders, host, port)
+    print(f"the run page: {server.url(page)} (Ctrl-C ends it)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        page.shutdown()
     return 0
 
 
@@ -395,6 +423,13 @@ def cmd_config(args) -> int:
     return 0
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=8765, help="the run page's port (0: any free one)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address the run page listens on: loopback unless given (0.0.0.0: every interface; the "
+                        "page is read-only, but anyone who reaches it reads the run)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from leansft import __version__
 
@@ -452,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted key=value, e.g. training.learning_rate=1e-4")
     t.add_argument("--resume", nargs="?", const="auto", default=None, help="checkpoint folder, or auto (latest)")
     t.add_argument("--doctor", action="store_true", help="run `leansft doctor` first; stop on FAIL")
+    t.add_argument("--serve", action="store_true", help="serve the run page while it trains (rank 0)")
+    _add_serve_args(t)
     t.set_defaults(func=cmd_train)
 
     d = _command(sub, "doctor", help="pre-flight correctness checks on the real model and data")
@@ -486,8 +523,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(c)
     c.set_defaults(func=cmd_chat)
 
-    r = _command(sub, "report", help="plots and a one-page summary of a run folder")
-    r.add_argument("run_dir", help="a run's output_dir")
+    r = _command(sub, "report", help="plots and a one-page summary of a run folder (report.md, report.html); "
+                                      "--serve: the live run page")
+    r.add_argument("run_dir", nargs="+", help="a run's output_dir; with --serve, also several, or a folder of runs")
+    r.add_argument("--serve", action="store_true", help="serve the run page, redrawn as the run writes")
+    _add_serve_args(r)
     r.set_defaults(func=cmd_report)
 
     x = _command(sub, "export", help="a run (its newest checkpoint), a checkpoint or any model train takes out as "

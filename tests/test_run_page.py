@@ -1,0 +1,154 @@
+"""The run page (``leansft report --serve``, ``train --serve``, report.html): its routes and nothing else, no file
+outside the run folders it was given, the run's texts shown as text, and a live run watched in headless Chromium."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import run_config
+
+from leansft.tools import run_page
+
+SCRIPT = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
+
+
+def crafted_run(folder: Path) -> Path:
+    """A run folder written by hand: two logged steps, a sample holding markup, a data report that is a link to a
+    file outside it."""
+    folder.mkdir(parents=True)
+    steps = [{"step": s, "loss": 2.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "real_tokens_per_s": 100.0,
+              "target_tokens_per_s": 50.0, "padding_share": 0.0, "peak_memory_bytes": 1e9, "mfu": None,
+              "tokens_seen": 100 * s} for s in (1, 2)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps) + '{"step": 3, "lo')  # torn
+    (folder / "samples.jsonl").write_text(json.dumps({"step": 0, "prompt": "Say hi", "answer": SCRIPT}) + "\n")
+    (folder / "config.yaml").write_text("model: tiny\n")
+    (folder / "data_report.json").symlink_to("/etc/passwd")
+    return folder
+
+
+def get(server, path: str, method: str = "GET") -> tuple[int, bytes]:
+    """``path`` sent exactly as written (no client-side normalising of ``..`` or escapes)."""
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        conn.request(method, path)
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A folder of runs (one real, one a link to another folder of the machine) served on a free port."""
+    crafted_run(tmp_path / "runs" / "mine")
+    (tmp_path / "runs" / "elsewhere").symlink_to("/etc")
+    server = run_page.start([tmp_path / "runs"], port=0)
+    yield server
+    server.shutdown()
+
+
+def test_the_page_serves_its_runs_and_nothing_else(served):
+    assert served.server_address[0] == "127.0.0.1"  # loopback unless --host
+    status, body = get(served, "/api/runs")
+    assert status == 200 and [r["name"] for r in json.loads(body)] == ["mine"]  # the link out is no run
+    status, body = get(served, "/api/run/mine")
+    state = json.loads(body)
+    assert status == 200 and [r["step"] for r in state["metrics"]] == [1, 2]  # the torn line left out
+    assert state["samples"][0]["answer"] == SCRIPT  # data, as the run wrote it
+    assert state["data_report"] is None  # a link out of the run reads as absent
+    status, body = get(served, "/")
+    assert status == 200 and b"/static/page.js" in body
+    for path in ("/../etc/passwd", "/static/../../etc/passwd", "/static/%2e%2e/page.py", "/static/..%2fpage.py",
+                 "/static/page.py", "/api/run/..%2F..%2Fetc", "/api/run/%2e%2e", "/api/run/elsewhere",
+                 "/api/run/mine%2Fmetrics.jsonl", "/api/run/mine/metrics.jsonl", "//etc/passwd", "/etc/passwd",
+                 "/mine/metrics.jsonl", "/api/run/..\\..\\etc", "/api/run/%2Fetc%2Fpasswd"):
+        status, body = get(served, path)
+        assert status == 404 and b"root:" not in body, path
+    assert get(served, "/api/runs", "POST")[0] == 501  # read-only: GET and HEAD alone
+
+
+def until(read, done, timeout: float = 60) -> object:
+    """``read()`` again until ``done`` holds for it (the page's policy forbids a script the test would inject)."""
+    deadline = time.monotonic() + timeout
+    while not done(value := read()):
+        assert time.monotonic() < deadline, value
+        time.sleep(0.1)
+    return value
+
+
+def _chromium() -> str:
+    found = os.environ.get("LEANSFT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not found:
+        pytest.skip("no Chromium (Debian's chromium package; `make test` installs it where apt-get can)")
+    pytest.importorskip("playwright.sync_api")
+    return found
+
+
+@pytest.mark.slow
+def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
+    """``train --serve``: the loss chart gains points between two looks, a sample appears, no console errors;
+    then a crafted run's markup sample shows as text, live and in report.html."""
+    from playwright.sync_api import sync_playwright
+
+    from leansft.recipe.report import write_report
+
+    chromium = _chromium()
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=5000", "data.eval_split=0.1",
+                     "eval.eval_every=40", "eval.samples_every=20", "eval.max_new_tokens=8", "checkpoint.save_every=1000")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "leansft", "train", str(config), "--serve", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    errors: list[str] = []
+    crafted = crafted_run(tmp_path / "crafted")
+    page_server = run_page.start([crafted], port=0)
+    try:
+        url, said = None, []
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "".join(said)[-3000:]
+            said.append(line)
+            found = re.search(r"the run page: (http://\S+)", line)
+            url = found and found.group(1)
+        assert url, "".join(said)[-3000:]
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            page = browser.new_page()
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + "?refresh=0.3")
+            points = lambda: int(page.get_attribute("#chart-loss", "data-points") or 0)  # noqa: E731
+            page.wait_for_selector("#chart-loss[data-points]", timeout=90_000)
+            first = until(points, lambda n: n > 0)
+            until(points, lambda n: n > first)  # a later look: more points
+            page.wait_for_selector("#samples td", timeout=60_000)
+            assert "step" in page.text_content("#status")
+            proc.kill()  # seen enough: the run need not finish
+            for where in (run_page.url(page_server), None):  # the crafted run, live then from report.html
+                if where is None:
+                    write_report(crafted, quiet=True)
+                    where = (crafted / "report.html").as_uri()
+                page.goto(where)
+                page.wait_for_selector("#samples td")
+                assert SCRIPT in page.text_content("#samples")  # its markup is text
+                assert page.evaluate("window.__pwned") is None
+            browser.close()
+    finally:
+        page_server.shutdown()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert not errors, errors
