@@ -89,6 +89,8 @@ def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, sin
     assert said.count("training 3 steps") == 1 and f"{strategy.upper()} over 2 ranks" in said, said[-3000:]
     ref, got = losses(single), losses(run)
     assert set(got) == set(ref)
+    progress = json.loads((run / "progress.json").read_text())  # the run page's: rank 0's, with the world size
+    assert progress["world_size"] == 2 and progress["step"] == progress["total_steps"] == 3 and progress["finished"]
     # counters are global sums over ranks, so they equal the single-process run's
     for key in ("tokens_seen", "examples_seen"):
         assert [r[key] for r in records(run)] == [r[key] for r in records(single)]

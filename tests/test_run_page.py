@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.request import urlopen
 
 import pytest
 import yaml
@@ -136,6 +137,11 @@ def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
             until(points, lambda n: n > first)  # a later look: more points
             page.wait_for_selector("#samples td", timeout=60_000)
             assert "step" in page.text_content("#status")
+            state = json.loads(urlopen(url + "api/run/run", timeout=10).read())
+            assert state["progress"]["total_steps"] == 5000 and state["progress"]["world_size"] == 1
+            lengths = state["data_report"]["length_histogram"]  # the training examples' lengths, drawn as bars
+            assert lengths["edges"][-1] == 192 and sum(lengths["counts"]) > 0
+            assert page.get_attribute("#chart-lengths", "data-points") == str(len(lengths["counts"]))
             proc.kill()  # seen enough: the run need not finish
             for where in (run_page.url(page_server), None):  # the crafted run, live then from report.html
                 if where is None:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 from torch.profiler import record_function
@@ -318,13 +319,21 @@ def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int) -
     if distributed.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        (out / "data_report.json").write_text(json.dumps(data.report.as_dict(), indent=1))
+        report = {**data.report.as_dict(), "length_histogram": length_histogram(data.train.lengths, cfg.data.max_length)}
+        (out / "data_report.json").write_text(json.dumps(report, indent=1))
         for log_file in ("metrics.jsonl", "samples.jsonl"):  # a fresh run starts fresh logs; a resumed one
             if step == 0:                                    # keeps what came before its checkpoint
                 (out / log_file).unlink(missing_ok=True)
             else:
                 truncate_jsonl(out / log_file, step)
     distributed.barrier()
+
+
+def length_histogram(lengths, max_length: int, bins: int = 32) -> dict:
+    """The training examples' lengths in tokens (after truncation) in ``bins`` equal bins up to ``max_length``: the
+    data report's histogram (the run page draws it)."""
+    counts, edges = np.histogram(np.asarray(lengths), bins=bins, range=(0, max_length))
+    return {"edges": [int(e) for e in edges], "counts": [int(c) for c in counts]}
 
 
 def finish_run_folder(cfg: RunConfig, out: Path, trackers: Trackers, exported: bool) -> None:

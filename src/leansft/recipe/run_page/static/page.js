@@ -41,7 +41,7 @@ function smooth(values, alpha = 0.9) {  // an exponential moving average, bias-c
 }
 
 // One chart: xs and named series (arrays aligned with xs, null where a series has no point).
-function chart(id, title, xLabel, xs, series, parent) {
+function chart(id, title, xLabel, xs, series, parent, range) {
   let box = document.getElementById(id);
   if (!box) {
     box = el("section", {class: "chart", id}, el("h3", {text: title}));
@@ -58,11 +58,12 @@ function chart(id, title, xLabel, xs, series, parent) {
   const colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
   const opts = {
     width, height: 220, legend: {live: false},
-    scales: {x: {time: false}},
+    scales: {x: range ? {time: false, range: () => range} : {time: false}},
     axes: [{label: xLabel}, {size: 60}],
     series: [{label: xLabel}, ...series.map((s, i) => ({
       label: s.label, stroke: s.color || colors[i % colors.length], width: s.width || 1.5, spanGaps: true,
       points: {show: s.points || false, size: 5},
+      ...(s.bars ? {paths: uPlot.paths.bars({size: [0.9]}), fill: "#9ecae1"} : {}),
     }))],
   };
   charts[id] = {plot: new uPlot(opts, data, box), key, box};
@@ -161,8 +162,16 @@ function drawDetails(state, main) {
   if (d) {
     const sources = (d.sources || []).map(s => [s.path, s.format, s.rows_read, s.bad_rows, s.examples, s.tokens]);
     const totals = Object.entries(d).filter(([k, v]) => typeof v === "number").map(([k, v]) => [k, v]);
+    const hist = el("div", {class: "grid"});
     replace("data", "data", el("div", {}, table(["source", "format", "rows read", "bad rows", "examples", "tokens"],
-                                                sources), table(["", "count"], totals)), main);
+                                                sources), table(["", "count"], totals), hist), main);
+    const h = d.length_histogram;
+    if (h && h.counts && h.counts.length) {  // a new element each refresh: drawn again, not updated
+      if (charts["chart-lengths"]) { charts["chart-lengths"].plot.destroy(); delete charts["chart-lengths"]; }
+      chart("chart-lengths", "training examples by length (tokens, after truncation)", "tokens",
+            h.edges.slice(0, -1).map((e, i) => (e + h.edges[i + 1]) / 2),
+            [{label: "examples", values: h.counts, bars: true}], hist, [h.edges[0], h.edges[h.edges.length - 1]]);
+    }
   }
   if (state.config != null) replace("config", "config", el("pre", {class: "config", text: state.config}), main);
 }
