@@ -18,6 +18,7 @@ import pytest
 import yaml
 from helpers import run_config
 
+from leansft.core.errors import LeanSFTError
 from leansft.tools import run_page
 
 SCRIPT = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
@@ -77,6 +78,9 @@ def test_the_page_serves_its_runs_and_nothing_else(served):
         status, body = get(served, path)
         assert status == 404 and b"root:" not in body, path
     assert get(served, "/api/runs", "POST")[0] == 501  # read-only: GET and HEAD alone
+    # a second page on the same port: one line saying what to do
+    with pytest.raises(LeanSFTError, match="(?s)cannot listen on 127.0.0.1:.*in use.*--port N"):
+        run_page.start([], port=served.server_address[1])
 
 
 def until(read, done, timeout: float = 60) -> object:
@@ -106,7 +110,8 @@ def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
 
     chromium = _chromium()
     cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=5000", "data.eval_split=0.1",
-                     "eval.eval_every=40", "eval.samples_every=20", "eval.max_new_tokens=8", "checkpoint.save_every=1000")
+                     "eval.eval_every=40", "eval.samples_every=20", "eval.max_new_tokens=8",
+                     "checkpoint.save_every=1000")
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}

@@ -319,7 +319,8 @@ def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int) -
     if distributed.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        report = {**data.report.as_dict(), "length_histogram": length_histogram(data.train.lengths, cfg.data.max_length)}
+        report = {**data.report.as_dict(),
+                  "length_histogram": length_histogram(data.train.lengths, cfg.data.max_length)}
         (out / "data_report.json").write_text(json.dumps(report, indent=1))
         for log_file in ("metrics.jsonl", "samples.jsonl"):  # a fresh run starts fresh logs; a resumed one
             if step == 0:                                    # keeps what came before its checkpoint

@@ -18,13 +18,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from leansft.core.errors import LeanSFTError
 from leansft.recipe.run_page.page import STATIC, page_html
 from leansft.recipe.run_page.state import find_runs, run_state
 
 log = logging.getLogger("leansft")
 # The page's scripts and styles come from this server alone; the run's texts are never markup (page.js sets
 # textContent), and this policy would stop a script that got in anyway.
-CSP = "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; connect-src 'self'"
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+       "connect-src 'self'")
 
 
 class RunPage:
@@ -96,7 +98,11 @@ def _handler(page: RunPage) -> type[BaseHTTPRequestHandler]:
 
 def start(roots: list[Path], host: str = "127.0.0.1", port: int = 8765, refresh: float = 2.0) -> ThreadingHTTPServer:
     """A server for the run page, answering in a daemon thread (``server.shutdown()`` stops it); port 0: any free."""
-    server = ThreadingHTTPServer((host, port), _handler(RunPage(roots, refresh)))
+    try:
+        server = ThreadingHTTPServer((host, port), _handler(RunPage(roots, refresh)))
+    except OSError as err:  # the port taken (a second run's page), or an address this machine does not have
+        raise LeanSFTError(f"the run page cannot listen on {host}:{port}: {err.strerror}", field="--port",
+                           hint="--port N for another port (0: any free one), or --host for another address") from err
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="leansft-run-page", daemon=True).start()
     return server

@@ -47,4 +47,5 @@ def static_html(states: list[dict]) -> str:
     scripts = "".join(f"<script>{STATIC[n][0].decode()}</script>" for n in ("uPlot.iife.min.js", "page.js"))
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>leansft run report</title>'
             f'<link rel="icon" href="data:,"><style>{css}</style></head>\n<body data-refresh="0">{_BODY}\n'
-            f'<script type="application/json" id="runs-data">{_inline_json(states)}</script>{scripts}</body></html>\n')
+            f'<script type="application/json" id="runs-data">{_inline_json(states)}</script>{scripts}'
+            '</body></html>\n')

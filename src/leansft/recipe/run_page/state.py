@@ -14,9 +14,8 @@ import os
 import stat
 from pathlib import Path
 
-MAX_BYTES = 64 << 20  # a file larger than this is not read (a page for a run, not a file server)
+MAX_BYTES = 256 << 20  # a file larger is not read (a page for a run, not a file server; ~600k logged steps)
 SAMPLES_KEPT = 200  # the newest samples sent; the step-0 ones ("before") always
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "progress.json", "data_report.json", "config.yaml")
 
 
 def read_own(path: Path) -> str | None:
@@ -106,5 +105,6 @@ def run_state(name: str, run: Path) -> dict:
     before = [s for s in samples if s.get("step") == 0]
     later = [s for s in samples if s.get("step") != 0][-SAMPLES_KEPT:]
     return {"name": name, "metrics": _jsonl(read_own(run / "metrics.jsonl")), "samples": before + later,
-            "progress": _json(read_own(run / "progress.json")), "data_report": _json(read_own(run / "data_report.json")),
+            "progress": _json(read_own(run / "progress.json")),
+            "data_report": _json(read_own(run / "data_report.json")),
             "config": read_own(run / "config.yaml"), "checkpoints": checkpoints(run)}
