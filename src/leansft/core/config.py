@@ -77,6 +77,10 @@ class DataConfig(_Strict):
     sources: list[SourceConfig] = Field(default_factory=list,
                                         description="the training data: paths, or {path, format, weight, split} "
                                                     "entries")
+    registry: str | None = Field(None, description="a datasets.yaml naming data sets (name: {path, format, split, "
+                                 "columns, weight, description}); a source whose path is one of its names is that "
+                                 "entry (its own keys win). Default: datasets.yaml beside the config file, where there "
+                                 "is one")
     eval_file: str | None = Field(None, description="held-out data in a file of its own (else eval_split)")
     eval_split: float = Field(0.0, ge=0, lt=1, description="fraction held out when no eval_file is given")
     template: str | None = Field(None,
@@ -435,6 +439,62 @@ def _resolve_paths(cfg: RunConfig, base: Path) -> None:
     cfg.data.template = resolved(cfg.data.template)
 
 
+REGISTRY = "datasets.yaml"
+
+
+def load_registry(path: str | Path) -> dict[str, tuple[SourceConfig, str]]:
+    """A dataset registry: name -> (the source it names, its description). Paths in it are relative to the file;
+    every entry is checked as a ``data.sources`` entry is, and a mistake is one line naming file and entry."""
+    path = Path(path)
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as err:
+        raise ConfigError(f"cannot read the dataset registry: {err.strerror}", file=str(path)) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"invalid YAML: {err}", file=str(path)) from None
+    if not isinstance(tree, dict):
+        raise ConfigError("a dataset registry is a mapping of names to entries ({path, format, ...})", file=str(path))
+    found = {}
+    for name, entry in tree.items():
+        entry = {"path": entry} if isinstance(entry, str) else entry
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{name}: expected a path or a mapping {{path, format, ...}}", file=str(path))
+        entry = dict(entry)
+        description = str(entry.pop("description", "") or "")
+        try:
+            source = SourceConfig.model_validate(entry)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(f"{name}: {where}: {first['msg']}", file=str(path)) from None
+        local = path.parent / source.path
+        if not Path(source.path).is_absolute() and local.exists():
+            source.path = str(local)
+        found[str(name)] = (source, description)
+    return found
+
+
+def _resolve_registry(cfg: RunConfig, base: Path | None) -> None:
+    """Sources named by a registry entry become that entry, with the keys the config gives for them on top."""
+    where = cfg.data.registry or (str(base / REGISTRY) if base is not None and (base / REGISTRY).is_file() else None)
+    if where is None:
+        return
+    if cfg.data.registry is not None and base is not None and not Path(where).is_absolute() and (base / where).exists():
+        where = str(base / where)
+    registry = load_registry(where)
+    cfg.data.registry = where
+    for i, s in enumerate(cfg.data.sources):
+        if s.path not in registry:
+            continue
+        if Path(s.path).exists() or (base is not None and (base / s.path).exists()):
+            raise ConfigError(f"{s.path!r} is both a name in the dataset registry and a file or folder here",
+                              field=f"data.sources[{i}].path", file=where,
+                              hint="write the file's path as ./NAME, or rename the registry's entry")
+        entry, _ = registry[s.path]
+        given = {k: getattr(s, k) for k in s.model_fields_set if k != "path"}
+        cfg.data.sources[i] = SourceConfig.model_validate({**entry.model_dump(), **given})
+
+
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read YAML (or start empty), apply ``key=value`` overrides (values parsed as YAML), validate."""
     tree: dict = {}
@@ -462,6 +522,8 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
         cfg = RunConfig.model_validate(tree)
     except ValidationError as err:
         raise _format_validation(err, path) from None
-    if path is not None:
-        _resolve_paths(cfg, Path(path).parent)
+    base = Path(path).parent if path is not None else None
+    _resolve_registry(cfg, base)  # before paths: a registry's paths are its own file's
+    if base is not None:
+        _resolve_paths(cfg, base)
     return cfg

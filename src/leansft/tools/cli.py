@@ -296,6 +296,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_datasets(args) -> int:
+    from leansft.tools.datasets import print_registry
+
+    return print_registry(Path(args.registry))
+
+
 def serve_page(folders: list[Path], host: str, port: int) -> int:
     """The live run page until Ctrl-C."""
     from leansft.tools import run_page as server
@@ -522,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = _command(sub, "chat", help="interactive chat with a model")
     _add_generation_args(c)
     c.set_defaults(func=cmd_chat)
+
+    ds = _command(sub, "datasets", help="the data sets a registry (datasets.yaml) names, with formats and sizes")
+    ds.add_argument("registry", nargs="?", default="datasets.yaml", help="the registry file (default: ./datasets.yaml)")
+    ds.set_defaults(func=cmd_datasets)
 
     r = _command(sub, "report", help="plots and a one-page summary of a run folder (report.md, report.html); "
                                       "--serve: the live run page")
