@@ -73,6 +73,23 @@ class CleanConfig(_Strict):
                                         "placeholders")
 
 
+class MixConfig(_Strict):
+    """How the sources' weights combine (data.mix)."""
+
+    mode: Literal["concat", "interleave"] = Field(
+        "concat", description="concat: each source repeated or thinned by its weight (2.0 twice, 0.5 half), then "
+        "shuffled together; interleave: the weights are shares of the mix (normalised), each source sampled to its "
+        "share of what `by` counts")
+    by: Literal["tokens", "examples"] = Field("tokens", description="interleave: a share counts target tokens "
+                                              "(loss tokens, after cleaning and truncation) or examples")
+    stop: Literal["all_exhausted", "first_exhausted"] = Field(
+        "all_exhausted", description="interleave: all_exhausted sizes the mix so every example of every source is "
+        "in it at least once (the smaller shares' sources repeated); first_exhausted so no example is repeated "
+        "(the larger shares' sources thinned)")
+    warn_repeats: float = Field(4.0, gt=0, description="warn where a source's examples are each in the mix more "
+                                "than this many times (an epoch of the mix)")
+
+
 class DataConfig(_Strict):
     sources: list[SourceConfig] = Field(default_factory=list,
                                         description="the training data: paths, or {path, format, weight, split} "
@@ -103,6 +120,7 @@ class DataConfig(_Strict):
                                                  description="a malformed or refused row: error (naming file, row, "
                                                              "field) or skip (counted)")
     clean: CleanConfig = Field(default_factory=CleanConfig)
+    mix: MixConfig = Field(default_factory=MixConfig)
     cache_dir: str | None = Field(None,
                                   description="tokenised cache and converted models (default ~/.cache/leansft or "
                                               "LEANSFT_CACHE)")

@@ -23,6 +23,7 @@ import numpy as np
 
 from leansft.core import distributed
 from leansft.core.config import DataConfig, SourceConfig
+from leansft.core.data import mixture
 from leansft.core.data.content_tokens import special_in_content
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 from leansft.core.data.shards import EXAMPLE_FILES, TOKEN_FILES, prepare_source
@@ -294,6 +295,8 @@ def build_dataset(
     truncate: bool = True,
 ) -> tuple[TokenizedDataset, PrepReport]:
     """All sources mixed by weight, deduplicated, length-filtered and (``truncate``) cut to ``cfg.max_length``.
+    ``data.mix.mode`` concat repeats or thins each source by its weight first; interleave cleans every source whole,
+    then draws each one's share of the mix (``mixture.mix``).
 
     ``truncate=False`` keeps every example whole: for planning, and for strategies that split long
     examples themselves."""
@@ -302,10 +305,11 @@ def build_dataset(
         raise DataError("no data sources given", field="data.sources")
     rng = np.random.default_rng(seed)
     report = PrepReport()
+    interleave = cfg.mix.mode == "interleave"
     stores, picks, base = [], [], 0
     for src in sources:
         store, meta = load_source(src, cfg, tokenizer, template)
-        pick = _weighted_indices(len(store.starts), src.weight, rng)
+        pick = np.arange(len(store.starts)) if interleave else _weighted_indices(len(store.starts), src.weight, rng)
         report.sources.append({**meta, "weight": src.weight, "examples": len(pick)})
         stores.append(store)
         picks.append(pick + base)
@@ -339,6 +343,12 @@ def build_dataset(
     report.no_target_tokens = int(empty.sum())
     if empty.any():
         data = data.select(np.flatnonzero(~empty))
+    if interleave and len(data):
+        chosen, mixed = mixture.mix(data.source, data.target_counts, [s.weight for s in sources],
+                                    [str(s.path) for s in sources], cfg.mix, rng)
+        data = data.select(chosen)
+        for entry, contributed in zip(report.sources, mixed, strict=True):
+            entry.update(contributed)
     report.examples = len(data)
     if len(data) == 0:
         raise _nothing_left(report, cfg, whole, truncate)

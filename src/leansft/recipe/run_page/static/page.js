@@ -160,11 +160,14 @@ function drawDetails(state, main) {
                                                   : el("p", {class: "muted", text: "none yet"}), main);
   const d = state.data_report;
   if (d) {
-    const sources = (d.sources || []).map(s => [s.path, s.format, s.rows_read, s.bad_rows, s.examples, s.tokens]);
+    const mixed = (d.sources || []).some(s => s.share_asked != null);  // data.mix.mode: interleave
+    const sources = (d.sources || []).map(s => [s.path, s.format, s.rows_read, s.bad_rows, s.examples, s.tokens,
+      ...(mixed ? [s.share_asked, s.share_got, s.times_seen] : [])]);
+    const headers = ["source", "format", "rows read", "bad rows", "examples", "tokens",
+                     ...(mixed ? ["share asked", "share in the mix", "times seen"] : [])];
     const totals = Object.entries(d).filter(([k, v]) => typeof v === "number").map(([k, v]) => [k, v]);
     const hist = el("div", {class: "grid"});
-    replace("data", "data", el("div", {}, table(["source", "format", "rows read", "bad rows", "examples", "tokens"],
-                                                sources), table(["", "count"], totals), hist), main);
+    replace("data", "data", el("div", {}, table(headers, sources), table(["", "count"], totals), hist), main);
     const h = d.length_histogram;
     if (h && h.counts && h.counts.length) {  // a new element each refresh: drawn again, not updated
       if (charts["chart-lengths"]) { charts["chart-lengths"].plot.destroy(); delete charts["chart-lengths"]; }
