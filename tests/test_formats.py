@@ -126,6 +126,24 @@ def test_openai_content_parts_and_role_aliases():
     assert err.value.field == "messages[0].content[0]" and "image_url" in str(err.value)
 
 
+@pytest.mark.parametrize("fmt,row", [
+    ("sharegpt", {"conversations": [{"from": "human", "value": "<image>What is it?"}, {"from": "gpt", "value": "A cat."}],
+                  "images": ["cat.png"]}),
+    ("messages", {"messages": [{"role": "user", "content": "<image><image>Same?"},
+                               {"role": "assistant", "content": "Yes."}], "images": ["a.png", "b.png"]}),
+    ("alpaca", {"instruction": "Describe <video>", "output": "Waves.", "videos": ["sea.mp4"]}),
+])
+def test_a_row_with_media_is_refused_not_trained_as_text(fmt, row):
+    """LLaMA-Factory's multimodal rows (media beside the text, <image> placeholders in it) trained as text with exit
+    0: the placeholders learned as words, the images never seen. Now one line naming the row and the column."""
+    key = next(k for k in ("images", "videos") if k in row)
+    with pytest.raises(DataError) as err:
+        convert_row(row, fmt, F, 3)
+    assert err.value.row == 3 and err.value.field == key and "text alone" in str(err.value)
+    assert f"has {len(row[key])} {key.rstrip('s')}" in str(err.value)
+    assert convert_row({**row, key: []}, fmt, F, 3)  # an empty media column is no media
+
+
 def test_csv_unclosed_quote_names_where_it_opened(tmp_path, tiny_bpe_path, capsys):
     from leansft.tools.cli import main
 

@@ -33,11 +33,12 @@ from leansft.core.errors import DataError
 from leansft.core.paths import default_cache_dir
 
 log = logging.getLogger("leansft")
+# 12: a row with media beside its messages (images: [...], LLaMA-Factory's form) refused, not trained as text;
 # 11: every stop token inside an answer refused, special tokens in messages counted (special_tokens_in_content);
 # 10: every tool call, argument value and the text beside them must be in the generated turn; 9: a stop token inside an answer, and
 # tool calls outside the generated turn, refused; 8: loss spans by the inference contract; 7: thinking in the
 # dedupe key; 6: loss codes
-CACHE_VERSION = "11"
+CACHE_VERSION = "12"
 
 
 @dataclass

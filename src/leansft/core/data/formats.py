@@ -84,7 +84,7 @@ def _text_of_parts(r: _Row, where: str, parts: list) -> str:
             texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise r.error(f"{where}[{j}]", f"unsupported content part {kind!r} (text only)")
+            raise r.error(f"{where}[{j}]", f"unsupported content part {kind!r} ({TEXT_ONLY})")
     return "".join(texts)
 
 
@@ -309,10 +309,24 @@ def detect_format(row: dict[str, Any], file: str, number: int) -> str:
     )
 
 
+# LLaMA-Factory's and ShareGPT's multimodal rows: the media beside the messages, `<image>` placeholders in the text
+MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
+TEXT_ONLY = "leansft trains on text alone: images, video and audio are not supported yet"
+
+
 def convert_row(row: dict[str, Any], fmt: str, file: str, number: int) -> Conversation:
-    """Convert one raw row; ``fmt`` must be a concrete format (resolve ``auto`` first)."""
+    """Convert one raw row; ``fmt`` must be a concrete format (resolve ``auto`` first). A row carrying media is
+    refused: trained as text, its ``<image>`` placeholders would be learned as words and its images never seen."""
     if fmt not in CONVERTERS:
         raise DataError(f"unknown format '{fmt}'; expected one of {', '.join(FORMATS)}", file=file, field="format")
+    for key in MEDIA_KEYS:
+        media = row.get(key)
+        if media not in (None, "", [], {}):
+            n = len(media) if isinstance(media, list) else 1
+            raise DataError(f"the row has {n} {key.rstrip('s')}{'s' if n != 1 else ''} ({TEXT_ONLY})", file=file,
+                            row=number, field=key,
+                            hint="leave the media out (and their <image> placeholders) to train on the text, or "
+                                 "drop these rows (data.on_bad_row: skip)")
     try:
         conv = CONVERTERS[fmt](_Row(row, file, number))
     except DataError as err:
