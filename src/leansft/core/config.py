@@ -214,6 +214,20 @@ class TrainingConfig(_Strict):
     seed: int = Field(0, description="seed of the data order, LoRA init, dropout and sampling")
 
 
+class SuiteConfig(_Strict):
+    """A suite of the user's own: questions with reference answers, scored on the model's greedy answers."""
+
+    name: str = Field(description="the suite's name in the logs, the report and the model card")
+    data: str = Field(description="a .jsonl file: per line a prompt (a user message) or messages (ending with the "
+                      "user's turn), and the reference answer")
+    metric: Literal["exact_match", "contains", "rouge_l"] = Field(
+        "exact_match", description="exact_match: the answer is the reference; contains: the answer holds it (both "
+        "after trimming, collapsing whitespace and case folding); rouge_l: ROUGE-L F1 on lower-cased words")
+    limit: int | None = Field(None, gt=0, description="at most this many items: a fixed sample from the seed, "
+                              "not the first N rows")
+    max_new_tokens: int = Field(64, gt=0, description="tokens per answer at most")
+
+
 class EvalConfig(_Strict):
     eval_every: int | None = Field(None, gt=0,
                                    description="held-out loss every N steps, and at step 0 and the end (null: never)")
@@ -232,6 +246,12 @@ class EvalConfig(_Strict):
     early_stopping_patience: int | None = Field(None, gt=0,
                                                 description="stop after this many evals without a better loss (null: "
                                                             "never)")
+    suites: list[SuiteConfig] = Field(default_factory=list, description="scored question sets of the user's own, "
+                                      "run on the model before step 1 and after the last, and every suites_every steps")
+    suites_every: int | None = Field(None, gt=0, description="the suites every N steps too (forgetting caught while it "
+                                     "trains; null: before and after only)")
+    forgetting_margin: float = Field(0.05, ge=0, description="warn when a suite's score falls more than this below "
+                                     "its score before training")
 
 
 class CheckpointConfig(_Strict):
@@ -454,6 +474,8 @@ def _resolve_paths(cfg: RunConfig, base: Path) -> None:
     cfg.model = resolved(cfg.model)
     cfg.tokenizer = resolved(cfg.tokenizer)
     cfg.data.eval_file = resolved(cfg.data.eval_file)
+    for suite in cfg.eval.suites:
+        suite.data = resolved(suite.data)
     cfg.data.template = resolved(cfg.data.template)
 
 

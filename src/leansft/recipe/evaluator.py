@@ -1,5 +1,5 @@
-"""What the training loop asks of evaluation: eval loss and samples when due (at step 0 too, the
-"before" picture), best tracking and early stopping."""
+"""What the training loop asks of evaluation: eval loss, samples and the user's suites when due (at step 0 too,
+the "before" picture), best tracking, early stopping and the forgetting warning."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from leansft.core.inference.generation import ChatSettings, generate
 from leansft.core.inference.heldout_loss import evaluate
 from leansft.core.model.context_parallel import whole_rows
 from leansft.core.progress import console, phase, plural
+from leansft.recipe import suites
 from leansft.recipe.system_prompt import dominant_system_prompt
 
 log = logging.getLogger("leansft")
@@ -49,6 +50,9 @@ class Evaluator:
         self.console = console()
         trained = dominant_system_prompt(prep.report.as_dict())  # configured prompts get what the model learned under
         self.settings = ChatSettings(system=trained[0] if trained else None)
+        self.suite_items = {s.name: suites.load_items(s, cfg.training.seed) for s in cfg.eval.suites}
+        # each suite's score before training: from this run's log where a resumed run has it
+        self.suite_before = {r["suite"]: r["score"] for r in reversed(suites.read_results(out)) if r["step"] == 0}
 
     def state(self) -> dict:
         """What a checkpoint keeps so early stopping continues exactly after a resume."""
@@ -81,7 +85,43 @@ class Evaluator:
         """Run what is due at ``step`` (0 = before training): samples are written, eval fields returned."""
         result = self.maybe_eval(step, total)
         self.maybe_sample(step, total)
-        return result
+        scores = self.maybe_suites(step, total)
+        return {**(result or {}), **scores} if scores else result
+
+    def maybe_suites(self, step: int, total: int) -> dict | None:
+        """The suites when due (before step 1, every suites_every steps, after the last): their records appended to
+        suites.jsonl, their scores returned for the metrics line, a fall below the base model's score warned."""
+        e = self.cfg.eval
+        if not e.suites or not (step in (0, total) or (e.suites_every and step % e.suites_every == 0)):
+            return None
+        if self.sharded is not None:
+            if step == 0:
+                log.warning("eval.suites do not run under FSDP (sharded weights); export and use leansft eval")
+            return None
+
+        def answer(prompts: list, max_new_tokens: int) -> list[str]:
+            with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+                return generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
+                                max_new_tokens=max_new_tokens, temperature=0.0, settings=self.settings)
+
+        scores = {}
+        for suite in e.suites:
+            with phase(f"step {step}: suite {suite.name}, {plural(len(self.suite_items[suite.name]), 'item')}"):
+                record = {"step": step, **suites.run_suite(suite, self.suite_items[suite.name], answer)}
+            before = self.suite_before.setdefault(suite.name, record["score"]) if step == 0 else \
+                self.suite_before.get(suite.name)
+            record["forgetting"] = before is not None and record["score"] < before - e.forgetting_margin
+            if record["forgetting"] and distributed.rank() == 0:
+                log.warning("forgetting: suite %s (%s) at %.3f at step %d, %.3f before training (more than "
+                            "eval.forgetting_margin %g below)", suite.name, suite.metric, record["score"], step, before,
+                            e.forgetting_margin)
+            if distributed.rank() == 0:
+                with (self.out / suites.RESULTS).open("a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(record) + "\n")
+                self.console.print(f"[dim]step {step}[/] suite {suite.name}: {suite.metric} {record['score']:.3f} "
+                                   f"({record['n']} items)")
+            scores[f"suite_{suite.name}"] = record["score"]
+        return scores
 
     def maybe_eval(self, step: int, total: int) -> dict | None:
         if self.prep.eval is None or not due(self.cfg.eval.eval_every, step, total):

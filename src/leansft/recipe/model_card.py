@@ -20,6 +20,7 @@ import yaml
 from leansft import __version__
 from leansft.core.config import RunConfig, TrainingConfig
 from leansft.core.paths import resolve_package_path
+from leansft.recipe import suites
 from leansft.recipe.report import run_totals
 
 
@@ -106,11 +107,16 @@ def model_card(cfg: RunConfig, out: Path, records: list[dict], samples: list[dic
     if totals:
         lines.append(f"| hardware, throughput | {device}; {totals['run_real_tokens_per_s']:,.0f} real tokens/s "
                      f"(run average), {totals['run_wall_s']:,.0f} s wall |")
+    before_after = suites.table(suites.read_results(out))
+    if before_after:
+        lines += ["", "## Evaluation before and after", "", *before_after, "",
+                  "(the run's own suites, `eval.suites`: greedy answers scored against references; paired bootstrap "
+                  "interval)"]
     lines += ["", "## Data", ""]
     for src, rep in zip(cfg.data.sources, data_report.get("sources", [])):
         lines.append(f"- `{src.path}` ({rep.get('format', src.format)}, weight {src.weight:g}): "
                      f"{rep.get('rows_read', '?')} rows read, {rep.get('examples', '?')} examples")
-    kept = {k: v for k, v in data_report.items() if k != "sources"}
+    kept = {k: v for k, v in data_report.items() if k not in ("sources", "length_histogram")}
     lines += ["", "Cleaning and length handling: `" + json.dumps(kept) + "`"]
     if samples:
         first, final = samples[0]["step"], samples[-1]["step"]

@@ -322,8 +322,9 @@ def start_run_folder(cfg: RunConfig, out: Path, data: PreparedData, step: int) -
         report = {**data.report.as_dict(),
                   "length_histogram": length_histogram(data.train.lengths, cfg.data.max_length)}
         (out / "data_report.json").write_text(json.dumps(report, indent=1))
-        for log_file in ("metrics.jsonl", "samples.jsonl"):  # a fresh run starts fresh logs; a resumed one
-            if step == 0:                                    # keeps what came before its checkpoint
+        # a fresh run starts fresh logs; a resumed one keeps what came before its checkpoint
+        for log_file in ("metrics.jsonl", "samples.jsonl", "suites.jsonl"):
+            if step == 0:
                 (out / log_file).unlink(missing_ok=True)
             else:
                 truncate_jsonl(out / log_file, step)

@@ -29,6 +29,7 @@ from leansft.core.config import (
     Method,
     SourceConfig,
     SpecialInContent,
+    SuiteConfig,
     TrainingConfig,
     load_config,
 )
@@ -80,8 +81,9 @@ def _positive(value: str) -> int:
 
 
 # -- data commands: plan, show-mask, eval ------------------------------------------------------------
-def _add_data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, action="append", help="data file, dataset folder or Hub name (repeatable)")
+def _add_data_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--data", required=required, action="append",
+                   help="data file, dataset folder or Hub name (repeatable)")
     p.add_argument("--format", default=default(SourceConfig, "format"),
                    choices=get_args(SourceConfig.model_fields["format"].annotation),
                    help="the data's format; auto: from the first row's keys")
@@ -196,6 +198,10 @@ def cmd_show_mask(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.suite:
+        return eval_suites(args)
+    if not args.data:
+        raise LeanSFTError("eval needs --data (held-out loss) or --suite (a question set scored)", field="--data")
     from leansft.core.data.prepare import prepare_data
     from leansft.core.inference.heldout_loss import evaluate
     from leansft.core.model.attention import VARLEN, use_packed_attention
@@ -216,6 +222,40 @@ def cmd_eval(args) -> int:
           f"token accuracy {result['eval_token_accuracy']:.2%}  over {result['eval_targets']:,} target tokens  "
           f"({result['eval_precision']})")
     _write_json(args.json, result)
+    return 0
+
+
+def eval_suites(args) -> int:
+    """``eval --suite``: each suite's score (and its 95% bootstrap interval) on greedy answers, or on --responses."""
+    from leansft.recipe import suites
+
+    given = None
+    if args.responses:
+        given = [json.loads(line)["response"] for line in Path(args.responses).read_text().splitlines() if line.strip()]
+    model = tokenizer = template = None
+    if given is None:
+        model, tokenizer, template, _ = _source(args)
+    results = []
+    for path in args.suite:
+        suite = SuiteConfig(name=Path(path).stem, data=path, metric=args.metric, limit=args.limit,
+                            max_new_tokens=args.max_new_tokens)
+        items = suites.load_items(suite, seed=0)
+        if given is not None and len(given) != len(items):
+            raise LeanSFTError(f"{len(given)} responses for {len(items)} items", file=args.responses)
+
+        def answer(prompts: list, max_new_tokens: int) -> list[str]:
+            if given is not None:
+                return given
+            from leansft.core.inference.generation import generate
+
+            return generate(model, tokenizer, template, prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+
+        result = suites.run_suite(suite, items, answer)
+        low, high = result["ci95"]
+        print(f"{suite.name}: {suite.metric} {result['score']:.3f} (95% interval {low:.3f} to {high:.3f}) over "
+              f"{result['n']} items")
+        results.append(result)
+    _write_json(args.json, results)
     return 0
 
 
@@ -503,10 +543,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", default=None, help="write the checks and their numbers here")
     d.set_defaults(func=cmd_doctor)
 
-    e = _command(sub, "eval", help="held-out loss, perplexity and token accuracy of a model on a data file")
+    e = _command(sub, "eval", help="held-out loss, perplexity and token accuracy of a model on a data file; --suite: "
+                                    "a question set of your own scored on the model's answers")
     e.add_argument("model", help="a run folder (its newest checkpoint), a checkpoint or a model, as for export")
     _add_source_args(e)
-    _add_data_args(e)
+    _add_data_args(e, required=False)
+    e.add_argument("--suite", action="append", default=None,
+                   help="a .jsonl of {prompt or messages, answer}: the model's greedy answers scored (repeatable)")
+    e.add_argument("--metric", default=default(SuiteConfig, "metric"),
+                   choices=get_args(SuiteConfig.model_fields["metric"].annotation), help="how a suite's answer scores")
+    e.add_argument("--limit", type=_positive, default=None, help="a suite's items at most (a fixed sample)")
+    e.add_argument("--max-new-tokens", type=_positive, default=default(SuiteConfig, "max_new_tokens"),
+                   help="a suite's answer tokens at most")
+    e.add_argument("--responses", default=None,
+                   help="score these answers instead of generating: a .jsonl of {response} in the suite's order")
     e.add_argument("--max-length", type=_positive, default=default(DataConfig, "max_length"),
                    help="examples are cut at this many tokens")
     e.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",

@@ -1,0 +1,71 @@
+"""Suites of the user's own (eval.suites, eval --suite): scoring, the before/after table, forgetting warned."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from helpers import run_config
+
+from leansft.recipe import suites
+from leansft.tools.cli import main
+
+QUESTIONS = ["Give three tips for staying healthy.", "What are the three primary colors?",
+             "Describe the structure of an atom.", "How can we reduce air pollution?"]
+
+
+def test_the_metrics():
+    assert suites.score("exact_match", "  Paris.\n", "paris.") == 1.0 and suites.score("exact_match", "Paris", "Lyon") == 0
+    assert suites.score("contains", "It is Paris, France.", "paris") == 1.0
+    assert suites.rouge_l("the cat sat", "the cat sat on the mat") == pytest.approx(2 * 1 * 0.5 / 1.5)
+    assert suites.rouge_l("The cat, sat!", "the cat sat") == 1.0  # words, not punctuation or case
+    assert suites.rouge_l("", "") == 1.0 and suites.rouge_l("a", "") == 0.0
+
+
+def test_eval_scores_given_responses_on_a_fixed_sample(tmp_path, capsys):
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"prompt": q, "answer": f"answer {i}"}) + "\n" for i, q in enumerate(QUESTIONS)))
+    responses = tmp_path / "r.jsonl"
+    responses.write_text("".join(json.dumps({"response": f"The answer {i}." if i % 2 else "no"}) + "\n"
+                                 for i in range(4)))
+    out = tmp_path / "scores.json"
+    assert main(["eval", "none", "--suite", str(data), "--metric", "contains", "--responses", str(responses),
+                 "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["score"] == 0.5 and [it["score"] for it in result["items"]] == [0, 1, 0, 1]
+    assert "qa: contains 0.500" in capsys.readouterr().out
+    suite = suites.SuiteConfig(name="qa", data=str(data), limit=2)
+    picked = [it["prompt"] for it in suites.load_items(suite, seed=0)]
+    assert picked == [it["prompt"] for it in suites.load_items(suite, seed=0)] and len(picked) == 2
+
+
+@pytest.mark.slow
+def test_a_destructive_run_warns_of_forgetting_and_reports_before_and_after(tmp_path, tiny_run_assets, caplog):
+    """References are the base model's own greedy answers (a score of 1 before training); ten steps at a learning
+    rate that wrecks the model: the score falls, the log warns, report.md and the model card show both."""
+    from leansft.recipe.train import train
+
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text("".join(json.dumps({"prompt": q, "answer": "-"}) + "\n" for q in QUESTIONS))
+    base = tmp_path / "base.json"
+    assert main(["eval", tiny_run_assets["model"], "--suite", str(asked), "--max-new-tokens", "8",
+                 "--json", str(base)]) == 0
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps({"prompt": it["prompt"], "answer": it["response"]}) + "\n"
+                           for it in json.loads(base.read_text())[0]["items"]))
+    cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=10", "training.learning_rate=0.05",
+                     "training.warmup_steps=0", "eval.suites_every=5", "checkpoint.export=true",
+                     f"eval.suites=[{{name: own, data: {own}, metric: exact_match, max_new_tokens: 8}}]")
+    with caplog.at_level(logging.WARNING, logger="leansft"):
+        train(cfg)
+    run = Path(cfg.output_dir)
+    records = suites.read_results(run)
+    assert [r["step"] for r in records] == [0, 5, 10] and records[0]["score"] == 1.0  # the base model's answers
+    assert records[-1]["score"] < 1.0 and records[-1]["forgetting"]
+    assert "forgetting: suite own" in caplog.text
+    for text in ((run / "report.md").read_text(), (run / "final" / "README.md").read_text()):
+        assert "| own | exact_match | 4 | 1.000 (step 0) |" in text
+    logged = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "suite_own" in r]
+    assert [r["step"] for r in logged] == [0, 5, 10]
