@@ -69,3 +69,19 @@ def test_a_destructive_run_warns_of_forgetting_and_reports_before_and_after(tmp_
         assert "| own | exact_match | 4 | 1.000 (step 0) |" in text
     logged = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "suite_own" in r]
     assert [r["step"] for r in logged] == [0, 5, 10]
+
+
+def test_batched_greedy_answers_are_the_answers_one_at_a_time(tiny_run_assets):
+    """Left-padded batches of prompts of other lengths answer as each prompt alone does (positions follow the
+    padding; the tiny fp32 model has no near ties here)."""
+    import transformers as tf
+
+    from leansft.core.data.masking import resolve_template
+    from leansft.core.inference.generation import generate, generate_greedy
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_run_assets["model"])
+    tok = tf.AutoTokenizer.from_pretrained(tiny_run_assets["model"])
+    template = resolve_template(tok, None)
+    prompts = [q * n for n in (1, 3) for q in QUESTIONS]  # 8 prompts, short and long
+    alone = generate(model, tok, template, prompts, max_new_tokens=12, temperature=0.0)
+    assert generate_greedy(model, tok, template, prompts, max_new_tokens=12, batch_size=3) == alone

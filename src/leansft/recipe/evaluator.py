@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from leansft.core import distributed
-from leansft.core.inference.generation import ChatSettings, generate
+from leansft.core.inference.generation import ChatSettings, generate, generate_greedy
 from leansft.core.inference.heldout_loss import evaluate
 from leansft.core.model.context_parallel import whole_rows
 from leansft.core.progress import console, phase, plural
@@ -101,8 +101,8 @@ class Evaluator:
 
         def answer(prompts: list, max_new_tokens: int) -> list[str]:
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-                return generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
-                                max_new_tokens=max_new_tokens, temperature=0.0, settings=self.settings)
+                return generate_greedy(self.model, self.prep.tokenizer, self.prep.template, prompts,
+                                       max_new_tokens=max_new_tokens, settings=self.settings)
 
         scores = {}
         for suite in e.suites:

@@ -246,9 +246,9 @@ def eval_suites(args) -> int:
         def answer(prompts: list, max_new_tokens: int) -> list[str]:
             if given is not None:
                 return given
-            from leansft.core.inference.generation import generate
+            from leansft.core.inference.generation import generate_greedy
 
-            return generate(model, tokenizer, template, prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+            return generate_greedy(model, tokenizer, template, prompts, max_new_tokens=max_new_tokens)
 
         result = suites.run_suite(suite, items, answer)
         low, high = result["ci95"]
