@@ -124,6 +124,12 @@ function drawRun(state, main) {
         charts_);
   if (train.some(r => r.mfu != null))
     chart("chart-mfu", "MFU", "step", trainXs, [{label: "MFU", values: column(train, "mfu")}], charts_);
+  const suites = [...new Set(m.flatMap(r => Object.keys(r).filter(k => k.startsWith("suite_"))))];
+  if (suites.length) {  // eval.suites: each suite's score at step 0 (the base model) and as it trains
+    const scored = m.filter(r => suites.some(k => k in r));
+    chart("chart-suites", "suites (score)", "step", scored.map(r => r.step),
+          suites.map(k => ({label: k.slice(6), values: column(scored, k), points: true})), charts_);
+  }
   chart("chart-memory", "peak memory (GB)", "step", trainXs, [
     {label: "peak", values: train.map(r => (r.peak_memory_bytes == null ? null : r.peak_memory_bytes / 1e9))},
   ], charts_);
