@@ -54,9 +54,20 @@ def weights(run: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, tiny_run_assets):
+def mixed(tmp_path_factory, tiny_run_assets) -> tuple[str, ...]:
+    """The runs compared across world sizes below train on two sources mixed 3:1 by examples (data.mix.mode
+    interleave): the mix, drawn from the seed, must be the same on every rank and after a resume."""
+    other = tmp_path_factory.mktemp("mixed") / "other.jsonl"
+    rows = [json.loads(line) for line in Path(tiny_run_assets["data"]).read_text().splitlines()][:40]
+    other.write_text("".join(json.dumps({**r, "instruction": "Briefly: " + r["instruction"]}) + "\n" for r in rows))
+    return (f"data.sources=[{{path: {tiny_run_assets['data']}, weight: 3}}, {{path: {other}, weight: 1}}]",
+            "data.mix.mode=interleave", "data.mix.by=examples")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_run_assets, mixed):
     tmp = tmp_path_factory.mktemp("single")
-    cfg = run_config(tmp, tiny_run_assets, "training.max_steps=3", "batching.gradient_accumulation=2",
+    cfg = run_config(tmp, tiny_run_assets, *mixed, "training.max_steps=3", "batching.gradient_accumulation=2",
                      "checkpoint.export=true", "training.learning_rate=1e-4")
     from leansft.recipe.train import train
 
@@ -65,23 +76,23 @@ def single(tmp_path_factory, tiny_run_assets):
 
 
 @pytest.fixture(scope="module")
-def fsdp_two_ranks(tmp_path_factory, tiny_run_assets, single) -> tuple[Path, str]:
+def fsdp_two_ranks(tmp_path_factory, tiny_run_assets, single, mixed) -> tuple[Path, str]:
     """Three steps on two FSDP ranks (accumulation 1), a checkpoint after each, and what rank 0 said: compared with
     the one-process run below, and its step-1 checkpoint the first leg of two resumes (one launch for both)."""
     tmp = tmp_path_factory.mktemp("fsdp_two_ranks")
-    cfg = run_config(tmp, tiny_run_assets, "training.max_steps=3", "batching.gradient_accumulation=1",
+    cfg = run_config(tmp, tiny_run_assets, *mixed, "training.max_steps=3", "batching.gradient_accumulation=1",
                      "checkpoint.export=true", "training.learning_rate=1e-4", "distributed.strategy=fsdp",
                      "checkpoint.save_every=1", "checkpoint.keep_last=3", f"data.cache_dir={single.parent / 'cache'}")
     return tmp, launch(write(cfg, tmp / "c.yaml"), 2)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, single, strategy, request):
+def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, single, mixed, strategy, request):
     if strategy == "fsdp":
         folder, said = request.getfixturevalue("fsdp_two_ranks")
         run = folder / "run"
     else:
-        cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=3", "batching.gradient_accumulation=1",
+        cfg = run_config(tmp_path, tiny_run_assets, *mixed, "training.max_steps=3", "batching.gradient_accumulation=1",
                          "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
                          f"data.cache_dir={single.parent / 'cache'}")
         said, run = launch(write(cfg, tmp_path / "c.yaml"), 2), Path(cfg.output_dir)
@@ -89,6 +100,8 @@ def test_two_ranks_accum_1_equal_one_rank_accum_2(tmp_path, tiny_run_assets, sin
     assert said.count("training 3 steps") == 1 and f"{strategy.upper()} over 2 ranks" in said, said[-3000:]
     ref, got = losses(single), losses(run)
     assert set(got) == set(ref)
+    mix = json.loads((run / "data_report.json").read_text())["sources"]  # the 3:1 mix, the same on both ranks
+    assert [s["share_got"] for s in mix] == pytest.approx([0.75, 0.25], abs=0.01)
     progress = json.loads((run / "progress.json").read_text())  # the run page's: rank 0's, with the world size
     assert progress["world_size"] == 2 and progress["step"] == progress["total_steps"] == 3 and progress["finished"]
     # counters are global sums over ranks, so they equal the single-process run's
@@ -134,7 +147,7 @@ def test_lora_under_two_ranks(tmp_path, tiny_run_assets, strategy):
 @pytest.mark.parametrize("first,then", [((1, "ddp"), (2, "fsdp")), ((2, "fsdp"), (1, "ddp")),
                                         ((2, "fsdp"), (2, "ddp"))],
                          ids=["1-to-fsdp2", "fsdp2-to-1", "fsdp-to-ddp"])  # DDP's checkpoint is a single process's
-def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, single, fsdp_two_ranks, first,
+def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, single, mixed, fsdp_two_ranks, first,
                                                    then):
     """Saved on N ranks (DDP or FSDP), resumed on M: the global step (world x accumulation) is kept and the
     run continues the uninterrupted run's loss sequence; the exported weights agree. The two-rank FSDP first
@@ -147,7 +160,7 @@ def test_resume_on_another_world_size_and_strategy(tmp_path, tiny_run_assets, si
             shutil.rmtree(run / later)
         path = str(fsdp_two_ranks[0] / "c.yaml")
     else:
-        cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=1", "batching.gradient_accumulation=2",
+        cfg = run_config(tmp_path, tiny_run_assets, *mixed, "training.max_steps=1", "batching.gradient_accumulation=2",
                          "checkpoint.export=true", "training.learning_rate=1e-4", f"distributed.strategy={strategy}",
                          f"data.cache_dir={single.parent / 'cache'}")
         path = write(cfg, tmp_path / "c.yaml")
