@@ -253,6 +253,13 @@ class EvalConfig(_Strict):
     forgetting_margin: float = Field(0.05, ge=0, description="warn when a suite's score falls more than this below "
                                      "its score before training")
 
+    @model_validator(mode="after")
+    def _suite_names_differ(self):
+        names = [s.name for s in self.suites]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.suites: each suite needs a name of its own (got {', '.join(names)})")
+        return self
+
 
 class CheckpointConfig(_Strict):
     # ``async`` is a Python keyword: the field is ``async_``, written and read as ``async``
