@@ -88,3 +88,20 @@ def test_a_mixed_run_killed_and_resumed_trains_the_uninterrupted_losses(tmp_path
     train_crashing_after(monkeypatch, cut, 4)
     train(cut, resume="auto")
     assert losses(Path(cut.output_dir)) == losses(Path(full.output_dir))
+
+
+def test_plan_reads_a_configs_mix_and_says_what_each_source_gives(sources, qwen25_path, tmp_path, capsys):
+    from leansft.tools.cli import main
+
+    config = tmp_path / "run.yaml"
+    spec = ", ".join(f"{{path: {p}, weight: {w}}}" for p, w in zip(sources, (0.5, 0.3, 0.2), strict=True))
+    config.write_text(f"model: {qwen25_path}\ndata:\n  sources: [{spec}]\n  mix: {{mode: interleave, by: examples}}\n"
+                      f"  cache_dir: {Path(sources[0]).parent / 'cache'}\n")
+    assert main(["plan", "--config", str(config), "--json", str(tmp_path / "plan.json")]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "a.jsonl: 50.0% of the mix's examples (asked 50.0%), 3,000 examples" in said
+    assert "c.jsonl: 20.0% of the mix's examples (asked 20.0%), 1,200 examples" in said  # each of 200 six times
+    assert "each example 6 times on average" in said
+    shares = [s["share_got"] for s in json.loads((tmp_path / "plan.json").read_text())["preparation"]["sources"]]
+    assert shares == pytest.approx([0.5, 0.3, 0.2], abs=0.001)
+    assert main(["plan", "--config", str(config), "--data", sources[0]]) == 2  # one or the other

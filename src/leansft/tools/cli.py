@@ -119,13 +119,32 @@ def _prepared(args, max_length: int | None = None, truncate: bool = False):
     return prepare_data(_data_config(args, max_length), args.tokenizer, truncate=truncate, holdout=False)
 
 
+def _plan_data(args):
+    """The prepared data a plan is about: --data files, or a run config's data section (--config)."""
+    from leansft.core.data.prepare import prepare_data
+
+    if args.config is None:
+        if not args.data or not args.tokenizer:
+            raise LeanSFTError("plan needs --data and --tokenizer, or --config (a run config)", field="--data")
+        return _prepared(args)
+    if args.data:
+        raise LeanSFTError("--config plans the config's data: leave --data out (or plan the files without --config)",
+                           field="--data")
+    cfg = load_config(args.config)
+    data_cfg = cfg.data.model_copy(deep=True)
+    if args.cache_dir is not None:
+        data_cfg.cache_dir = args.cache_dir
+    return prepare_data(data_cfg, args.tokenizer or cfg.tokenizer or cfg.model, truncate=False, holdout=False,
+                        seed=cfg.training.seed, trust_remote_code=cfg.trust_remote_code)
+
+
 def cmd_plan(args) -> int:
     import numpy as np
 
     from leansft.tools.plan_report import plot_lengths, print_plan
     from leansft.tools.stats import plan_summary
 
-    prep = _prepared(args)  # whole examples: the plan is about what max_length would do
+    prep = _plan_data(args)  # whole examples: the plan is about what max_length would do
     data = prep.train
     max_length = args.max_length
     if max_length is not None:
@@ -487,8 +506,13 @@ def build_parser() -> argparse.ArgumentParser:
     batch_size, window = default(BatchingConfig, "batch_size"), default(BatchingConfig, "window")
 
     sp = _command(sub, "plan", help="length statistics, batching simulation and memory estimate for real data")
-    _add_data_args(sp)
-    sp.add_argument("--tokenizer", required=True, help="tokenizer folder, tokenizer.json, .gguf, pkg: path or Hub id")
+    _add_data_args(sp, required=False)
+    sp.add_argument("--config", default=None,
+                    help="a run config instead of --data: its data section (sources, weights and data.mix, the "
+                         "registry, template, cleaning) and its tokenizer, as train prepares them")
+    sp.add_argument("--tokenizer", default=None,
+                    help="tokenizer folder, tokenizer.json, .gguf, pkg: path or Hub id (default with --config: the "
+                         "run's)")
     sp.add_argument("--max-length", type=_positive, default=None, help="default: recommended from the data")
     _add_plan_args(sp, batch_size, window, default(TrainingConfig, "seed"))
     sp.add_argument("--model", default=None, help="model folder, config.json or .gguf, for the memory estimate")

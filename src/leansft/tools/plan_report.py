@@ -49,6 +49,11 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
     for src in prep.get("sources", []):
         if src.get("template"):
             console.print(f"{src['path']}: {template_summary(src['template'])}")
+        if src.get("share_asked") is not None:  # data.mix.mode: interleave
+            console.print(f"{src['path']}: {src['share_got']:.1%} of the mix's {src['share_of']} (asked "
+                          f"{src['share_asked']:.1%}), "
+                          f"{src['mix_examples']:,} examples, {src['mix_target_tokens']:,} target tokens; each example "
+                          f"{src['times_seen']:g} times on average")
     cleaned = cleaning_line(prep)
     if cleaned:
         console.print(f"cleaning: {cleaned}")

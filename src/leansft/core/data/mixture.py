@@ -53,6 +53,7 @@ def mix(part: np.ndarray, targets: np.ndarray, weights: list[float], names: list
                        "times_seen": round(len(pick) / len(members), 3)})
     total = {"tokens": sum(r["mix_target_tokens"] for r in report), "examples": sum(r["mix_examples"] for r in report)}
     for i, r in enumerate(report):
+        r["share_of"] = "target tokens" if cfg.by == "tokens" else "examples"
         r["share_asked"] = round(float(shares[i]), 4)
         r["share_got"] = round((r["mix_target_tokens"] if cfg.by == "tokens" else r["mix_examples"]) / total[cfg.by], 4)
         if r["times_seen"] > cfg.warn_repeats:
