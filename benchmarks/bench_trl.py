@@ -65,6 +65,7 @@ from pathlib import Path
 from leansft.core.cpu.malloc import TUNABLES
 
 sys.path.insert(0, str(Path(__file__).parent))
+import workdir  # noqa: E402
 
 WORK = Path(os.environ.get("LEANSFT_BENCH_WORK", "runs")) / "bench_trl"  # where its models and data go
 WORDS = ("the a model learns to answer every question about data packing attention loss memory tokens rows "
@@ -231,7 +232,7 @@ def run_leansft(strategy: str, s: dict, measure_memory: bool) -> dict:
             "checkpoint.keep_last=1", "logging.log_every=1000000",
             "training.lora.r=16", "training.lora.alpha=32", "training.lora.target_modules=all-linear",
             *(["cpu.fused_layers=true", "cpu.bf16_head=true"] if s.get("cpu_speedups") else [])]
-    shutil.rmtree(out, ignore_errors=True)  # each pass (memory, timed) and each pair starts a fresh run
+    shutil.rmtree(out, ignore_errors=True)  # each pass and pair starts a fresh run (inside WORK: workdir.fresh's)
     if measure_memory:
         with TensorMemoryTracker() as tr:
             train(load_config(None, over + ["training.max_steps=2", "checkpoint.export=false"]))
@@ -453,7 +454,7 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(measure(args.child, json.loads(args.settings))))
         return
-    shutil.rmtree(WORK, ignore_errors=True)
+    workdir.fresh(WORK)  # its own folder only: a user's folder of that name is refused, not deleted
     smol = args.workload == "smollm2"
     settings = {**SETUPS[args.workload](args.examples), "max_length": args.max_length, "steps": args.steps,
                 "precision": args.precision, "method": args.method or ("lora" if smol else "full"),

@@ -41,3 +41,18 @@ def test_the_gpu_check_runs_in_miniature_on_the_cpu(tmp_path):
     trl = {r["side"]: r for r in rows if r["part"] == "trl"}
     assert set(trl) == {"leansft", "trl_best", "trl_shipped"}
     assert all(r["real_tokens_per_s"] > 0 and isinstance(r["config"], dict) and r["peak_gb"] for r in trl.values())
+
+
+def test_a_benchmark_empties_only_a_work_folder_it_made(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import workdir
+
+    theirs = tmp_path / "bench_trl"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="a benchmark did not make it"):
+        workdir.fresh(theirs)
+    assert (theirs / "notes.txt").read_text() == "mine"
+    ours = workdir.fresh(tmp_path / "work")
+    (ours / "model.bin").write_text("left by a run")
+    assert workdir.fresh(ours) == ours and [p.name for p in ours.iterdir()] == [workdir.MARK]

@@ -165,6 +165,14 @@ def test_a_run_deletes_only_what_leansft_wrote_in_its_folders(tmp_path, trained,
     cfg = config_file(tmp_path, tiny_run_assets, f"output_dir={mine}", "training.max_steps=3")
     refused(capsys, main(["train", cfg]), "output_dir holds config.yaml, metrics.jsonl", "no leansft run wrote them")
     assert tree(mine) == before
+    theirs = tmp_path / "theirs"  # the files a run writes since the run page and the suites, a user's here
+    theirs.mkdir()
+    for name in ("suites.jsonl", "progress.json", "report.html"):
+        (theirs / name).write_text(f"my {name}\n")
+    before = tree(theirs)
+    cfg = config_file(tmp_path, tiny_run_assets, f"output_dir={theirs}", "training.max_steps=3")
+    refused(capsys, main(["train", cfg]), "output_dir holds suites.jsonl, progress.json, report.html")
+    assert tree(theirs) == before
 
     run = a_copy(trained, tmp_path)
     folder, cache = run / "checkpoints", tmp_path / "cache"

@@ -164,7 +164,8 @@ def claim_output_dir(cfg: RunConfig, out: Path) -> distributed.Storage:
     return storage
 
 
-RUN_FILES = ("config.yaml", "data_report.json", "metrics.jsonl", "samples.jsonl", "report.md", "report.png", "final")
+RUN_FILES = ("config.yaml", "data_report.json", "metrics.jsonl", "samples.jsonl", "suites.jsonl", "progress.json",
+             "report.md", "report.png", "report.html", "final")
 
 
 def foreign_files(out: Path) -> list[str]:
