@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.request import urlopen
@@ -120,6 +121,8 @@ def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
     errors: list[str] = []
     crafted = crafted_run(tmp_path / "crafted")
     page_server = run_page.start([crafted], port=0)
+    watchdog = threading.Timer(240, proc.kill)  # a run that stalls silently ends, and the test fails on what it said
+    watchdog.start()
     try:
         url, said = None, []
         deadline = time.monotonic() + 120
@@ -158,6 +161,7 @@ def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
                 assert page.evaluate("window.__pwned") is None
             browser.close()
     finally:
+        watchdog.cancel()
         page_server.shutdown()
         if proc.poll() is None:
             proc.kill()
