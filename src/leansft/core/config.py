@@ -469,21 +469,24 @@ def _apply_aliases(tree: dict, file: str | None) -> None:
         _set_dotted(tree, target, value)
 
 
-def _resolve_paths(cfg: RunConfig, base: Path) -> None:
-    """A relative local path in a config file means relative to that file, when something exists there."""
-    def resolved(value: str | None) -> str | None:
-        if not value or value.startswith("pkg:") or Path(value).is_absolute() or "{" in value:
-            return value
-        return str(base / value) if (base / value).exists() else value
+def _beside(value: str | None, base: Path) -> str | None:
+    """A relative local path written in a file under ``base`` means relative to that file, when something exists
+    there (a Hub name, ``pkg:`` path or template text stays as written)."""
+    if not value or value.startswith("pkg:") or Path(value).is_absolute() or "{" in value:
+        return value
+    return str(base / value) if (base / value).exists() else value
 
+
+def _resolve_paths(cfg: RunConfig, base: Path) -> None:
+    """The config file's relative local paths, relative to it (``_beside``)."""
     for s in cfg.data.sources:
-        s.path = resolved(s.path)
-    cfg.model = resolved(cfg.model)
-    cfg.tokenizer = resolved(cfg.tokenizer)
-    cfg.data.eval_file = resolved(cfg.data.eval_file)
+        s.path = _beside(s.path, base)
+    cfg.model = _beside(cfg.model, base)
+    cfg.tokenizer = _beside(cfg.tokenizer, base)
+    cfg.data.eval_file = _beside(cfg.data.eval_file, base)
     for suite in cfg.eval.suites:
-        suite.data = resolved(suite.data)
-    cfg.data.template = resolved(cfg.data.template)
+        suite.data = _beside(suite.data, base)
+    cfg.data.template = _beside(cfg.data.template, base)
 
 
 REGISTRY = "datasets.yaml"
@@ -514,20 +517,19 @@ def load_registry(path: str | Path) -> dict[str, tuple[SourceConfig, str]]:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ConfigError(f"{name}: {where}: {first['msg']}", file=str(path)) from None
-        local = path.parent / source.path
-        if not Path(source.path).is_absolute() and local.exists():
-            source.path = str(local)
+        source.path = _beside(source.path, path.parent)
         found[str(name)] = (source, description)
     return found
 
 
 def _resolve_registry(cfg: RunConfig, base: Path | None) -> None:
     """Sources named by a registry entry become that entry, with the keys the config gives for them on top."""
-    where = cfg.data.registry or (str(base / REGISTRY) if base is not None and (base / REGISTRY).is_file() else None)
-    if where is None:
+    if cfg.data.registry is not None:
+        where = _beside(cfg.data.registry, base) if base is not None else cfg.data.registry
+    elif base is not None and (base / REGISTRY).is_file():
+        where = str(base / REGISTRY)
+    else:
         return
-    if cfg.data.registry is not None and base is not None and not Path(where).is_absolute() and (base / where).exists():
-        where = str(base / where)
     registry = load_registry(where)
     cfg.data.registry = where
     for i, s in enumerate(cfg.data.sources):

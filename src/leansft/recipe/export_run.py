@@ -161,7 +161,7 @@ def model_card_for(source: str, path: Path | None, cfg, folder: Path) -> Path | 
     """The exported folder's model card, as ``final/`` has one: a checkpoint's from its run's records, a model
     folder's own copied; None where there is none to write. ``path``: the checkpoint ``source`` means, if any."""
     from leansft.recipe.model_card import write_model_card
-    from leansft.recipe.report import read_jsonl
+    from leansft.recipe.metrics_log import read_jsonl
 
     if path is None:
         own = Path(source) / "README.md"

@@ -29,6 +29,19 @@ class MetricsLog:
             truncate_jsonl(self.path, step)
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a jsonl log (a torn line from a crash is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def truncate_jsonl(path: Path, step: int) -> None:
     """Keep the records of ``path`` up to ``step``; a torn line (a crash mid-write) is dropped."""
     if not path.exists():

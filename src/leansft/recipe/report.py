@@ -6,27 +6,14 @@ prints the before/after summary."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from leansft.core.errors import LeanSFTError
 from leansft.core.progress import console
 from leansft.recipe import suites
+from leansft.recipe.metrics_log import read_jsonl
 from leansft.recipe.run_page.page import static_html
 from leansft.recipe.run_page.state import run_state
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Records of a jsonl log (a torn line from a crash is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def schedule_curve(run: Path, train: list[dict]) -> tuple[list[int], list[float]] | None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from leansft.core.config import SuiteConfig
 from leansft.core.errors import DataError
+from leansft.recipe.metrics_log import read_jsonl
 
 log = logging.getLogger("leansft")
 RESULTS = "suites.jsonl"  # in the run folder: one record per suite per time it ran, items included
@@ -116,16 +117,8 @@ def before_after(records: list[dict]) -> list[dict]:
 
 
 def read_results(run: Path) -> list[dict]:
-    path = run / RESULTS
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    """The run's suite records (``RESULTS``), oldest first."""
+    return read_jsonl(run / RESULTS)
 
 
 def table(records: list[dict]) -> list[str]:

@@ -58,10 +58,10 @@ from leansft.recipe.checkpointer import Checkpointer, claim_output_dir, finished
 from leansft.recipe.context_parallel import split_rows
 from leansft.recipe.divergence import DivergenceGuard
 from leansft.recipe.evaluator import Evaluator
-from leansft.recipe.metrics_log import MetricsLog, ProgressFile, truncate_jsonl
+from leansft.recipe.metrics_log import MetricsLog, ProgressFile, read_jsonl, truncate_jsonl
 from leansft.recipe.model_card import write_model_card
 from leansft.recipe.progress import ProgressBar
-from leansft.recipe.report import read_jsonl, write_report
+from leansft.recipe.report import write_report
 from leansft.recipe.signals import StopAnywhere, StopFlag, Stopped
 from leansft.recipe.throughput import RunTotals, StepCounts, ThroughputWindow
 from leansft.recipe.trackers import Trackers

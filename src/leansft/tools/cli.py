@@ -248,28 +248,29 @@ def eval_suites(args) -> int:
     """``eval --suite``: each suite's score (and its 95% bootstrap interval) on greedy answers, or on --responses."""
     from leansft.recipe import suites
 
-    given = None
     if args.responses:
         given = [json.loads(line)["response"] for line in Path(args.responses).read_text().splitlines() if line.strip()]
-    model = tokenizer = template = None
-    if given is None:
+
+        def answer(prompts: list, max_new_tokens: int) -> list[str]:
+            if len(given) != len(prompts):
+                raise LeanSFTError(f"{len(given)} responses for {len(prompts)} items", file=args.responses)
+            return given
+    else:  # rendered as a run renders its suites: with the system prompt it trained with, where one dominated
+        from leansft.core.inference.generation import ChatSettings, generate_greedy
+        from leansft.recipe.system_prompt import trained_system_prompt
+
         model, tokenizer, template, _ = _source(args)
+        trained = trained_system_prompt(args.model)
+        settings = ChatSettings(system=trained[0] if trained else None)
+
+        def answer(prompts: list, max_new_tokens: int) -> list[str]:
+            return generate_greedy(model, tokenizer, template, prompts, max_new_tokens=max_new_tokens,
+                                   settings=settings)
     results = []
     for path in args.suite:
         suite = SuiteConfig(name=Path(path).stem, data=path, metric=args.metric, limit=args.limit,
                             max_new_tokens=args.max_new_tokens)
-        items = suites.load_items(suite, seed=0)
-        if given is not None and len(given) != len(items):
-            raise LeanSFTError(f"{len(given)} responses for {len(items)} items", file=args.responses)
-
-        def answer(prompts: list, max_new_tokens: int) -> list[str]:
-            if given is not None:
-                return given
-            from leansft.core.inference.generation import generate_greedy
-
-            return generate_greedy(model, tokenizer, template, prompts, max_new_tokens=max_new_tokens)
-
-        result = suites.run_suite(suite, items, answer)
+        result = suites.run_suite(suite, suites.load_items(suite, seed=0), answer)
         low, high = result["ci95"]
         print(f"{suite.name}: {suite.metric} {result['score']:.3f} (95% interval {low:.3f} to {high:.3f}) over "
               f"{result['n']} items")

@@ -687,12 +687,13 @@ class ChatEncoder:
         text_idx = [i for i, c in enumerate(convs) if c.text is not None]
         plain = {i for i in text_idx if self._content.check_text(convs[i].text, convs[i].row, self.stats)}
         if text_idx:
-            enc = self.tok([convs[i].text for i in text_idx], add_special_tokens=True)["input_ids"]
-            for k, i in enumerate(text_idx):
-                if i in plain:  # data.special_tokens_in_content: escape
-                    enc[k] = self._content.plain_ids(convs[i].text)
+            matched = [i for i in text_idx if i not in plain]  # special tokens matched as the tokenizer does
+            ids_of = dict(zip(matched, self.tok([convs[i].text for i in matched], add_special_tokens=True)["input_ids"]
+                              if matched else []))
+            ids_of.update({i: self._content.plain_ids(convs[i].text) for i in plain})  # escape: as plain text
             eos = self.tok.eos_token_id
-            for i, ids in zip(text_idx, enc):
+            for i in text_idx:
+                ids = ids_of[i]
                 if eos is not None and (not ids or ids[-1] != eos):
                     ids = ids + [eos]
                 arr = np.asarray(ids, dtype=np.int32)

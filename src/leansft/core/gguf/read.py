@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import pre_tokenizers
 
-from leansft.core.gguf.metadata import read_header, tensor_data
 from leansft.core.errors import ModelError
+from leansft.core.gguf.metadata import read_header, tensor_data
 
 # llama.cpp pre-tokenizer names transformers' GGUF reader does not map (it splits as GPT-2 then), as the
 # models' own tokenizers split: SmolLM's digits one by one, then GPT-2's regex

@@ -95,10 +95,6 @@ class BackgroundSave:
         self._step = 0
         self._folder: Path | None = None
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def start(self, folder: Path, staged: Staged, then) -> None:
         self.wait()
         self._error, self._step, self._folder = None, staged.step, folder
@@ -114,11 +110,10 @@ class BackgroundSave:
         self._thread = threading.Thread(target=run, name=f"leansft-save-step-{staged.step}", daemon=True)
         self._thread.start()
 
-    def wait(self) -> float:
-        """Seconds waited for the save in flight (0 where none is); its error, raised here."""
+    def wait(self) -> None:
+        """Until the save in flight (if any) is written; its error, raised here."""
         if self._thread is None:
-            return 0.0
-        t0 = time.perf_counter()
+            return
         self._thread.join()
         self._thread = None
         err, self._error = self._error, None
@@ -127,4 +122,3 @@ class BackgroundSave:
                 raise err
             raise ckpt.not_written(self._step, self._folder, *ckpt._why_not_written(err, self._root, self._folder)
                                    ) from err
-        return time.perf_counter() - t0

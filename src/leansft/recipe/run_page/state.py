@@ -14,6 +14,8 @@ import os
 import stat
 from pathlib import Path
 
+from leansft.core.io import checkpoint_files as ckpt
+
 MAX_BYTES = 256 << 20  # a file larger is not read (a page for a run, not a file server; ~600k logged steps)
 SAMPLES_KEPT = 200  # the newest samples sent; the step-0 ones ("before") always
 
@@ -79,19 +81,18 @@ def find_runs(roots: list[Path]) -> dict[str, Path]:
 
 
 def checkpoints(run: Path) -> list[dict]:
-    """Each complete checkpoint (one with its manifest) with its step and eval loss; the lowest eval loss marked
-    best (as ``checkpoint.keep_best`` keeps it)."""
+    """Each complete checkpoint (``list_checkpoints``', holding its manifest) with its step and eval loss; the
+    lowest eval loss marked best (as ``checkpoint.keep_best`` keeps it)."""
     folder = run / "checkpoints"
-    if folder.is_symlink() or not folder.is_dir():
+    if folder.is_symlink():
         return []
     found = []
-    for ckpt in folder.iterdir():
-        if not ckpt.name.startswith("step-") or ckpt.is_symlink() or not (ckpt / "manifest.json").is_file():
+    for path in ckpt.list_checkpoints(folder):  # oldest first
+        if path.is_symlink() or not (path / ckpt.MANIFEST).is_file():
             continue
-        state = _json(read_own(ckpt / "state.json")) or {}
-        found.append({"name": ckpt.name, "step": state.get("step"), "eval_loss": state.get("eval_loss"),
-                      "world_size": state.get("world_size"), "best": False})
-    found.sort(key=lambda c: c["step"] if isinstance(c["step"], int) else -1)
+        state = _json(read_own(path / "state.json")) or {}
+        found.append({"name": path.name, "step": int(path.name.removeprefix(ckpt.PREFIX)),
+                      "eval_loss": state.get("eval_loss"), "world_size": state.get("world_size"), "best": False})
     scored = [c for c in found if isinstance(c["eval_loss"], (int, float))]
     if scored:
         min(scored, key=lambda c: c["eval_loss"])["best"] = True
