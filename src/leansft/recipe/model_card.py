@@ -107,11 +107,9 @@ def model_card(cfg: RunConfig, out: Path, records: list[dict], samples: list[dic
     if totals:
         lines.append(f"| hardware, throughput | {device}; {totals['run_real_tokens_per_s']:,.0f} real tokens/s "
                      f"(run average), {totals['run_wall_s']:,.0f} s wall |")
-    before_after = suites.table(suites.read_results(out))
+    before_after = suites.section(suites.read_results(out), answers=False)
     if before_after:
-        lines += ["", "## Evaluation before and after", "", *before_after, "",
-                  "(the run's own suites, `eval.suites`: greedy answers scored against references; paired bootstrap "
-                  "interval)"]
+        lines += ["", "## Evaluation before and after", "", *before_after]
     lines += ["", "## Data", ""]
     for src, rep in zip(cfg.data.sources, data_report.get("sources", [])):
         lines.append(f"- `{src.path}` ({rep.get('format', src.format)}, weight {src.weight:g}): "

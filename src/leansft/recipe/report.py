@@ -96,11 +96,9 @@ def write_report(run: Path, quiet: bool = False) -> list[Path]:
         lines.append(f"| first eval_loss | {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) |")
         lines.append(f"| last eval_loss | {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']}) |")
         lines.append(f"| best eval_loss | {best['eval_loss']:.4f} (step {best['step']}) |")
-    before_after = suites.table(suites.read_results(run))
+    before_after = suites.section(suites.read_results(run))
     if before_after:
-        lines += ["", "## Suites before and after training", "", *before_after, "",
-                  "(eval.suites: the model's greedy answers scored against the references; the interval is a paired "
-                  "bootstrap over the items)"]
+        lines += ["", "## Suites before and after training", "", *before_after]
     samples = read_jsonl(run / "samples.jsonl")
     if samples:
         step = samples[-1]["step"]

@@ -244,36 +244,88 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def eval_suites(args) -> int:
-    """``eval --suite``: each suite's score (and its 95% bootstrap interval) on greedy answers, or on --responses."""
+def suite_configs(args) -> list[SuiteConfig]:
+    """``--suite NAME[=PATH]`` (repeatable, or comma-separated): a benchmark by name, or a .jsonl of your own."""
+    from leansft.core.config import BUILTIN_SUITES
+
+    out = []
+    for spec in (part for value in args.suite for part in value.split(",") if part):
+        name, _, path = spec.partition("=")
+        if name not in BUILTIN_SUITES:
+            name, path = Path(spec).stem, spec
+        try:
+            out.append(SuiteConfig(name=name, data=path or None, metric=args.metric, limit=args.limit,
+                                   max_new_tokens=args.max_new_tokens, shots=args.shots, judge_url=args.judge_url,
+                                   judge_model=args.judge_model))
+        except ValueError as e:
+            raise LeanSFTError(f"--suite {spec}: {e}", field="--suite") from None
+    return out
+
+
+def _given_responses(path: str):
+    """``--responses``: a .jsonl of {response} (or {turns: [first, second]} for mtbench), matched to the items by
+    their prompt where the rows carry one (IFBench's and IFEval's output files do), else in the suite's order."""
     from leansft.recipe import suites
 
-    if args.responses:
-        given = [json.loads(line)["response"] for line in Path(args.responses).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    given = [r["turns"] if "turns" in r else [r["response"]] for r in rows]
+    by_prompt = {r["prompt"]: g for r, g in zip(rows, given) if isinstance(r.get("prompt"), str)}
+    calls = iter(range(2))
 
-        def answer(prompts: list, max_new_tokens: int) -> list[str]:
-            if len(given) != len(prompts):
-                raise LeanSFTError(f"{len(given)} responses for {len(prompts)} items", file=args.responses)
-            return given
+    def answer(prompts: list, max_new_tokens: int) -> list[str]:
+        turn = next(calls)
+        if by_prompt and all(isinstance(p, str) for p in prompts):
+            missing = [p for p in prompts if p not in by_prompt]
+            if missing:
+                raise LeanSFTError(f"no response for {len(missing)} of the suite's prompts, e.g. {missing[0][:60]!r}",
+                                   file=path)
+            return [by_prompt[p][0] for p in prompts]
+        if len(given) != len(prompts):
+            raise LeanSFTError(f"{len(given)} responses for {len(prompts)} items", file=path)
+        return [g[min(turn, len(g) - 1)] for g in given]
+
+    return suites.Model(answer=answer, render=lambda prompt: prompt if isinstance(prompt, str) else
+                        "\n".join(str(m.get("content")) for m in prompt))
+
+
+def eval_suites(args) -> int:
+    """``eval --suite``: each suite's scores (the headline with a 95% bootstrap interval) on greedy answers (mmlu:
+    the letters' log-likelihoods), or on given --responses."""
+    from leansft.recipe import suites
+
+    configs = suite_configs(args)
+    loaded = [(suite, *suites.load_items(suite, seed=args.seed)) for suite in configs]  # missing data: before the model
+    if args.responses:
+        if len(configs) != 1:
+            raise LeanSFTError("--responses scores one suite at a time", field="--responses")
+        model = _given_responses(args.responses)
     else:  # rendered as a run renders its suites: with the system prompt it trained with, where one dominated
+        from leansft.core.inference.choices import choice_logprobs
         from leansft.core.inference.generation import ChatSettings, generate_greedy
         from leansft.recipe.system_prompt import trained_system_prompt
 
-        model, tokenizer, template, _ = _source(args)
+        net, tokenizer, template, _ = _source(args)
         trained = trained_system_prompt(args.model)
         settings = ChatSettings(system=trained[0] if trained else None)
-
-        def answer(prompts: list, max_new_tokens: int) -> list[str]:
-            return generate_greedy(model, tokenizer, template, prompts, max_new_tokens=max_new_tokens,
-                                   settings=settings)
+        model = suites.Model(
+            answer=lambda prompts, n: generate_greedy(net, tokenizer, template, prompts, max_new_tokens=n,
+                                                      settings=settings),
+            render=lambda prompt: settings.render(tokenizer, template, prompt),
+            choices=lambda requests: choice_logprobs(net, tokenizer, requests))
     results = []
-    for path in args.suite:
-        suite = SuiteConfig(name=Path(path).stem, data=path, metric=args.metric, limit=args.limit,
-                            max_new_tokens=args.max_new_tokens)
-        result = suites.run_suite(suite, suites.load_items(suite, seed=0), answer)
-        low, high = result["ci95"]
-        print(f"{suite.name}: {suite.metric} {result['score']:.3f} (95% interval {low:.3f} to {high:.3f}) over "
-              f"{result['n']} items")
+    for suite, items, skipped in loaded:
+        result = suites.run_suite(suite, items, model, skipped)
+        if result["score"] is None:
+            print(f"{suite.name}: {result['n']} answers ({result['metric']})")
+        else:
+            low, high = result["ci95"]
+            print(f"{suite.name}: {result['metric']} {result['score']:.3f} (95% interval {low:.3f} to {high:.3f}) "
+                  f"over {result['n']} items")
+        others = {k: v for k, v in result["scores"].items() if k != result["metric"]}
+        if others:
+            print("  " + ", ".join(f"{k} {v:.3f}" for k, v in others.items()))
+        for reason, count in result["skipped"].items():
+            print(f"  skipped {count}: {reason}")
         results.append(result)
     _write_json(args.json, results)
     return 0
@@ -569,19 +621,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
 
     e = _command(sub, "eval", help="held-out loss, perplexity and token accuracy of a model on a data file; --suite: "
-                                    "a question set of your own scored on the model's answers")
+                                    "benchmarks (ifbench, ifeval, mmlu, mtbench) or questions of your own, scored")
     e.add_argument("model", help="a run folder (its newest checkpoint), a checkpoint or a model, as for export")
     _add_source_args(e)
     _add_data_args(e, required=False)
-    e.add_argument("--suite", action="append", default=None,
-                   help="a .jsonl of {prompt or messages, answer}: the model's greedy answers scored (repeatable)")
+    e.add_argument("--suite", action="append", default=None, metavar="NAME[=PATH]",
+                   help="ifbench, ifeval, mmlu or mtbench (=PATH: that suite's local data; mmlu and ifeval need "
+                        "one offline), or a .jsonl of {prompt or messages, answer} of your own; repeatable or "
+                        "comma-separated")
     e.add_argument("--metric", default=default(SuiteConfig, "metric"),
-                   choices=get_args(SuiteConfig.model_fields["metric"].annotation), help="how a suite's answer scores")
-    e.add_argument("--limit", type=_positive, default=None, help="a suite's items at most (a fixed sample)")
-    e.add_argument("--max-new-tokens", type=_positive, default=default(SuiteConfig, "max_new_tokens"),
-                   help="a suite's answer tokens at most")
+                   choices=get_args(SuiteConfig.model_fields["metric"].annotation),
+                   help="how an answer of your own suite scores")
+    e.add_argument("--limit", type=_positive, default=None,
+                   help="a suite's items at most: a fixed sample spread over instruction types, subjects, categories")
+    e.add_argument("--seed", type=int, default=0, help="the seed of --limit's sample")
+    e.add_argument("--max-new-tokens", type=_positive, default=None,
+                   help="answer tokens at most (default 64 for your own suites, 512 for the benchmarks)")
+    e.add_argument("--shots", type=int, choices=range(6), default=0, metavar="0-5",
+                   help="mmlu: worked examples from the subject's dev questions before each (0 or 5 as reported)")
+    e.add_argument("--judge-url", default=None,
+                   help="mtbench: an OpenAI-compatible endpoint (http://host:port/v1) that grades the answers; "
+                        "OPENAI_API_KEY is sent where set")
+    e.add_argument("--judge-model", default=None, help="mtbench: the judge's model name at --judge-url")
     e.add_argument("--responses", default=None,
-                   help="score these answers instead of generating: a .jsonl of {response} in the suite's order")
+                   help="score these answers instead of generating: a .jsonl of {response} (mtbench: {turns: [first, "
+                        "second]}) in the suite's order")
     e.add_argument("--max-length", type=_positive, default=default(DataConfig, "max_length"),
                    help="examples are cut at this many tokens")
     e.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",

