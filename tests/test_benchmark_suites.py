@@ -158,6 +158,29 @@ def test_mmlu_equals_lm_eval_on_the_same_rows_and_model(tmp_path, tiny_run_asset
             assert ours["score"] == pytest.approx(sum(s["acc"] for s in expected) / len(expected))
 
 
+def test_choice_logprobs_of_longer_answers_equal_the_plain_forward(tiny_run_assets):
+    """Continuations of several tokens (each its own row, left-padded beside rows of other lengths) score as one
+    plain forward of context + continuation does; one-token choices share their context's row."""
+    import torch
+    import transformers as tf
+
+    from leansft.core.inference.choices import choice_logprobs, encode_pair
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_run_assets["model"]).eval()
+    tok = tf.AutoTokenizer.from_pretrained(tiny_run_assets["model"])
+    requests = [("The capital of France is ", ["Paris, of course.", "Lyon", "a city on the Seine"]),
+                ("Answer:", [" A", " B"]), ("A much longer context about rivers and mountains. Answer:", [" yes"])]
+    got = choice_logprobs(model, tok, requests, batch_size=3)
+    for (context, continuations), scores in zip(requests, got):
+        for continuation, (ll, greedy) in zip(continuations, scores):
+            head, cont = encode_pair(tok, context, continuation)
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(torch.tensor([head + cont])).logits[0].float(), -1)
+            picked = logprobs[len(head) - 1:-1]
+            assert ll == pytest.approx(float(picked.gather(1, torch.tensor(cont)[:, None]).sum()), abs=1e-4)
+            assert greedy == bool((picked.argmax(-1) == torch.tensor(cont)).all())
+
+
 class StubJudge(BaseHTTPRequestHandler):
     """An OpenAI-compatible /v1/chat/completions on 127.0.0.1: turn-one grades 7, turn-two grades 5."""
 

@@ -2,7 +2,8 @@
 Face backend computes them: the context's trailing spaces move to the continuation, ``context + continuation`` is
 encoded whole and split at the context's length, and each continuation's log-probability is the sum over its
 tokens. One forward per question serves all its choices: where every choice is one token after the context (MMLU's
-" A".." D"), the context's last logits score them all; else each choice is a row of one batch."""
+" A".." D"), the context's last logits score them all; else each choice is a row of one batch. Rows are left-padded
+(positions counted from each row's first token) so the head computes logits only for the positions scored."""
 
 from __future__ import annotations
 
@@ -42,17 +43,24 @@ def choice_logprobs(model, tokenizer, requests: list[tuple[str, list[str]]], *, 
             batch = [rows[i] for i in order[start:start + batch_size]]
             ids = [row[2][-limit:] for row in batch]
             width = max(len(x) for x in ids)
-            input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids], device=device)
-            mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids], device=device)
-            logprobs = torch.log_softmax(model(input_ids=input_ids, attention_mask=mask).logits.float(), dim=-1)
-            for (r, c, _, conts), x, lp in zip(batch, ids, logprobs):
+            keep = max(1 if c == -1 else len(conts[0]) for _, c, _, conts in batch)  # the scored positions, at the end
+            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            try:
+                logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                               logits_to_keep=keep).logits
+            except TypeError:  # a model class without logits_to_keep: every position's logits, the last kept
+                logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits[:, -keep:]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            for (r, c, _, conts), lp in zip(batch, logprobs):
                 if c == -1:  # every choice one token: the context's last position scores them all
-                    last = lp[len(x) - 1]
+                    last = lp[-1]
                     for k, cont in enumerate(conts):
                         out[r][k] = (float(last[cont[0]]), bool(last.argmax() == cont[0]))
                 else:
                     cont = conts[0]
-                    span = lp[len(x) - len(cont):len(x)]
+                    span = lp[lp.shape[0] - len(cont):]
                     target = torch.tensor(cont, device=span.device)
                     out[r][c] = (float(span.gather(1, target[:, None]).sum()), bool((span.argmax(-1) == target).all()))
     return out
