@@ -217,6 +217,7 @@ def test_mtbench_is_graded_by_the_named_judge_with_mt_benchs_prompts(tmp_path, n
                      "--json", str(out)]) == 0
     finally:
         server.shutdown()
+        server.server_close()  # closed: the port refuses (a listening socket nobody serves would hang to the timeout)
     (result,) = json.loads(out.read_text())
     assert sorted(it["category"] for it in result["items"]) == sorted(
         ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"])
@@ -228,6 +229,12 @@ def test_mtbench_is_graded_by_the_named_judge_with_mt_benchs_prompts(tmp_path, n
                  b["messages"][-1]["content"]]
         assert len(asked) == 2 and all(item["responses"][0] in a for a in asked)
         assert ("[The Start of Reference Answer]" in asked[0]) == (item["category"] in ("math", "reasoning", "coding"))
+    # the judge gone: the answers are kept, the suite says why it has no score (a run's last step still saves)
+    assert main(["eval", "none", "--suite", "mtbench", "--limit", "8", "--responses", str(given),
+                 "--judge-url", f"http://127.0.0.1:{server.server_port}/v1", "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["score"] is None and len(result["items"]) == 8
+    assert any("did not answer" in reason for reason in result["skipped"])
 
 
 @pytest.mark.parametrize("suite, says", [("mmlu", "hf download cais/mmlu"),

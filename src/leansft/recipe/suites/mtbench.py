@@ -104,18 +104,23 @@ class Judge:
 
 def score(suite: SuiteConfig, items: list[dict], answers: list[list[str]], seen: list[list[str]]) -> dict:
     judge = Judge(suite.judge_url, suite.judge_model or "") if suite.judge_url else None
-    scored = []
+    scored, failure = [], None
     for item, pair, prompts in zip(items, answers, seen):
         entry = {"question_id": item["question_id"], "category": item["category"], "questions": item["turns"],
-                 "rendered": prompts,
-                 "responses": pair}
-        if judge is not None:
-            graded = [judge.grade(item, pair, turn) for turn in (1, 2)]
-            entry["ratings"] = [g[0] for g in graded]
-            entry["judgments"] = [g[1] for g in graded]
-            rated = [r for r in entry["ratings"] if r is not None]
-            entry["score"] = float(np.mean(rated)) if rated else None
+                 "rendered": prompts, "responses": pair}
+        if judge is not None and failure is None:
+            try:
+                graded = [judge.grade(item, pair, turn) for turn in (1, 2)]
+            except LeanSFTError as e:  # the answers stay; a run goes on (its last step must still save)
+                failure = str(e)
+            else:
+                entry["ratings"] = [g[0] for g in graded]
+                entry["judgments"] = [g[1] for g in graded]
+                rated = [r for r in entry["ratings"] if r is not None]
+                entry["score"] = float(np.mean(rated)) if rated else None
         scored.append(entry)
+    if failure is not None:
+        return {"metric": "answers (no judge)", "scores": {}, "items": scored, "skipped": {failure: len(items)}}
     if judge is None:
         return {"metric": "answers (no judge)", "scores": {}, "items": scored}
     ratings = [r for s in scored for r in s["ratings"] if r is not None]

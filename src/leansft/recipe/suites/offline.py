@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -48,7 +50,7 @@ def data_root() -> Path:
     punkt = require("punkt.data.english", "instruction-following")
     root = default_cache_dir() / "nltk_data"
     lang = root / PUNKT
-    if not (lang / "ortho_context.tab").is_file():
+    if not (lang / "ortho_context.tab").is_file():  # written beside, then renamed: ranks may race to write it
         from nltk.tokenize.punkt import PunktParameters, save_punkt_params
 
         params = PunktParameters()
@@ -57,9 +59,14 @@ def data_root() -> Path:
         params.sent_starters = set(punkt.SENT_STARTERS)
         for word, flags in punkt.ORTHO_CONTEXT.items():
             params.ortho_context[word] = flags
-        lang.mkdir(parents=True, exist_ok=True)
+        staging = lang.parent / f".english-{os.getpid()}"
+        staging.mkdir(parents=True, exist_ok=True)
         with _on_path(nltk, root):
-            save_punkt_params(params, str(lang))
+            save_punkt_params(params, str(staging))
+        try:
+            staging.rename(lang)
+        except OSError:  # another process put it there first
+            shutil.rmtree(staging, ignore_errors=True)
     # IFBench's import asks for NLTK's old pickled punkt too, which no checker loads: a folder saying so
     old = root / RESOURCES["punkt"]
     if not old.is_dir():
