@@ -45,6 +45,18 @@ def test_eval_scores_given_responses_on_a_fixed_sample(tmp_path, capsys):
     assert picked == [it["prompt"] for it in suites.load_items(suite, seed=0)[0]] and len(picked) == 2
 
 
+def test_a_file_of_your_own_named_like_a_benchmark_stays_your_own():
+    from types import SimpleNamespace
+
+    from leansft.tools.cli import suite_configs
+
+    args = SimpleNamespace(suite=["evals/ifbench.jsonl,mmlu=/data/mmlu"], metric="contains", limit=None,
+                           max_new_tokens=None, shots=5, judge_url=None, judge_model=None)
+    own, mmlu = suite_configs(args)
+    assert (own.name, own.kind, own.data, own.answer_tokens) == ("ifbench", "qa", "evals/ifbench.jsonl", 64)
+    assert (mmlu.kind, mmlu.data, mmlu.shots) == ("mmlu", "/data/mmlu", 5)
+
+
 def test_a_limit_spreads_over_strata_and_is_fixed_by_the_seed():
     from leansft.recipe.suites.sampling import spread_sample
 
