@@ -89,7 +89,8 @@ def test_a_destructive_lora_run_warns_of_forgetting_and_reports_before_and_after
                      "training.method=lora", "training.warmup_steps=0", "eval.suites_every=10",
                      "checkpoint.export=true", "batching.gradient_accumulation=1",
                      f"eval.suites=[{{name: own, data: {own}, metric: exact_match, max_new_tokens: 8}}, "
-                     f"{{name: ifbench, limit: 3, max_new_tokens: 8}}, {{name: mmlu, data: {mmlu}, shots: 5}}, "
+                     f"{{name: ifbench, limit: 3, max_new_tokens: 8}}, "
+                     f"{{name: mmlu, data: {mmlu}, shots: 5, limit_between: 2}}, "
                      f"{{name: mtbench, limit: 2, max_new_tokens: 8}}]")
     with caplog.at_level(logging.WARNING, logger="leansft"):
         train(cfg)
@@ -107,10 +108,13 @@ def test_a_destructive_lora_run_warns_of_forgetting_and_reports_before_and_after
         assert "| mtbench | answers (no judge) | 2 | n/a (step 0) | n/a (step 20) | n/a |" in text
         assert "- ifbench at step 20: prompt_loose" in text
     assert "### mtbench: answers before (step 0) and after (step 20)" in report
-    mmlu_items = [r for r in records if r["suite"] == "mmlu"][0]["items"]
-    assert all(it["prompt"].count("\nAnswer:") == 6 for it in mmlu_items)  # five worked examples and the question
+    mmlu = [r for r in records if r["suite"] == "mmlu"]
+    assert all(it["prompt"].count("\nAnswer:") == 6 for it in mmlu[0]["items"])  # five worked examples, the question
+    assert [(r["n"], r["subset"]) for r in mmlu] == [(6, False), (2, True), (6, False)]  # limit_between: 2 between
+    assert {it["prompt"] for it in mmlu[1]["items"]} < {it["prompt"] for it in mmlu[0]["items"]}
     logged = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "suite_own" in r]
-    assert [r["step"] for r in logged] == [0, 10, 20] and all("suite_mmlu" in r for r in logged)
+    assert [r["step"] for r in logged] == [0, 10, 20]
+    assert ["suite_mmlu" in r for r in logged] == [True, False, True] and "suite_mmlu_sample" in logged[1]
 
 
 def test_batched_greedy_answers_are_the_answers_one_at_a_time(tiny_run_assets):

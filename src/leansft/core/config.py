@@ -234,6 +234,9 @@ class SuiteConfig(_Strict):
         "(both after trimming, collapsing whitespace and case folding); rouge_l: ROUGE-L F1 on lower-cased words")
     limit: int | None = Field(None, gt=0, description="at most this many items: a fixed sample from the seed spread "
                               "over instruction types, subjects or categories, not the first N rows")
+    limit_between: int | None = Field(None, gt=0, description="at the suites_every steps between the first and the "
+                                      "last: at most this many of the items (a fixed sample of them, spread as "
+                                      "limit's), compared with the base model's score on those same items")
     max_new_tokens: int | None = Field(None, gt=0, description="tokens per answer at most (default: 64 for qa, 512 "
                                        "for ifbench, ifeval and mtbench)")
     shots: int = Field(0, ge=0, le=5, description="mmlu: worked examples before each question (0 or 5 as reported)")

@@ -52,8 +52,12 @@ class Evaluator:
         trained = dominant_system_prompt(prep.report.as_dict())  # configured prompts get what the model learned under
         self.settings = ChatSettings(system=trained[0] if trained else None)
         self.suite_items = {s.name: suites.load_items(s, cfg.training.seed) for s in cfg.eval.suites}
-        # each suite's score before training: from this run's log where a resumed run has it
-        self.suite_before = {r["suite"]: r["score"] for r in reversed(suites.read_results(out)) if r["step"] == 0}
+        # the items a suite scores between the first and last step where it has limit_between (indices into its items)
+        self.suite_between = {s.name: suites.subset(self.suite_items[s.name][0], s.limit_between, cfg.training.seed)
+                              for s in cfg.eval.suites}
+        # each suite's items' scores before training: from this run's log where a resumed run has them
+        self.suite_base = {r["suite"]: [it.get("score") for it in r["items"]]
+                           for r in reversed(suites.read_results(out)) if r["step"] == 0}
 
     def state(self) -> dict:
         """What a checkpoint keeps so early stopping continues exactly after a resume."""
@@ -117,24 +121,29 @@ class Evaluator:
         scores = {}
         for suite in e.suites:
             items, skipped = self.suite_items[suite.name]
-            with phase(f"step {step}: suite {suite.name}, {plural(len(items), 'item')}"):
-                record = {"step": step, **suites.run_suite(suite, items, model, skipped)}
-            before = self.suite_before.setdefault(suite.name, record["score"]) if step == 0 else \
-                self.suite_before.get(suite.name)
+            between = step not in (0, total) and len(self.suite_between[suite.name]) < len(items)
+            picked = self.suite_between[suite.name] if between else list(range(len(items)))
+            with phase(f"step {step}: suite {suite.name}, {plural(len(picked), 'item')}"):
+                record = {"step": step, **suites.run_suite(suite, [items[k] for k in picked], model, skipped),
+                          "subset": between}
+            if step == 0:
+                self.suite_base.setdefault(suite.name, [it.get("score") for it in record["items"]])
+            base = [self.suite_base[suite.name][k] for k in picked] if suite.name in self.suite_base else []
+            before = float(sum(base) / len(base)) if base and None not in base else None
             record["forgetting"] = (before is not None and record["score"] is not None
                                     and record["score"] < before - e.forgetting_margin)
             if record["forgetting"] and distributed.rank() == 0:
-                log.warning("forgetting: suite %s (%s) at %.3f at step %d, %.3f before training (more than "
+                log.warning("forgetting: suite %s (%s) at %.3f at step %d, %.3f before training%s (more than "
                             "eval.forgetting_margin %g below)", suite.name, record["metric"], record["score"], step,
-                            before, e.forgetting_margin)
+                            before, f" on the same {len(picked)} items" if between else "", e.forgetting_margin)
             if distributed.rank() == 0:
                 with (self.out / suites.RESULTS).open("a", encoding="utf-8") as fh:
                     fh.write(json.dumps(record) + "\n")
                 shown = "answers written" if record["score"] is None else f"{record['score']:.3f}"
                 self.console.print(f"[dim]step {step}[/] suite {suite.name}: {record['metric']} {shown} "
-                                   f"({record['n']} items)")
+                                   f"({record['n']} items{', a sample' if between else ''})")
             if record["score"] is not None:
-                scores[f"suite_{suite.name}"] = record["score"]
+                scores[f"suite_{suite.name}" + ("_sample" if between else "")] = record["score"]
         return scores
 
     def maybe_eval(self, step: int, total: int) -> dict | None:

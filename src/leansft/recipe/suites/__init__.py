@@ -42,6 +42,14 @@ def load_items(suite: SuiteConfig, seed: int) -> tuple[list[dict], dict]:
     return LOADERS[suite.kind](suite, seed)
 
 
+def subset(items: list[dict], limit: int | None, seed: int) -> list[int]:
+    """Indices of at most ``limit`` of ``items``, spread over their strata as ``limit`` spreads (all without one)."""
+    from leansft.recipe.suites.sampling import spread_sample
+
+    picked = spread_sample([{"k": k, "stratum": it.get("stratum", "")} for k, it in enumerate(items)], limit, seed)
+    return [p["k"] for p in picked]
+
+
 def interval(values: np.ndarray, seed: int = 0) -> tuple[float, float]:
     """A 95% percentile bootstrap interval of the mean of ``values`` (paired differences, for a delta)."""
     if len(values) < 2:
@@ -77,7 +85,9 @@ def run_suite(suite: SuiteConfig, items: list[dict], model: Model, skipped: dict
 
 
 def before_after(records: list[dict]) -> list[dict]:
-    """Per suite: the first (before training) and last score, the delta and its paired bootstrap interval."""
+    """Per suite: the first (before training) and last score, the delta and its paired bootstrap interval (the
+    samples run between them under ``limit_between`` are not the suite whole: left out here)."""
+    records = [r for r in records if not r.get("subset")]
     rows = []
     for name in dict.fromkeys(r["suite"] for r in records):
         runs = [r for r in records if r["suite"] == name]
@@ -129,6 +139,7 @@ def section(records: list[dict], answers: bool = True) -> list[str]:
     lines = table(records)
     if not lines:
         return []
+    records = [r for r in records if not r.get("subset")]
     lines += ["", NOTE]
     last = {r["suite"]: r for r in records}
     for name, record in last.items():
@@ -146,6 +157,7 @@ def section(records: list[dict], answers: bool = True) -> list[str]:
 def side_by_side(records: list[dict], limit: int = 3) -> list[str]:
     """MT-Bench's answers before and after training for the first ``limit`` questions (Markdown), [] without."""
     lines: list[str] = []
+    records = [r for r in records if not r.get("subset")]
     for name in dict.fromkeys(r["suite"] for r in records if r.get("kind") == "mtbench"):
         runs = [r for r in records if r["suite"] == name]
         first, last = runs[0], runs[-1]
