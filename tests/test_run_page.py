@@ -36,6 +36,9 @@ def crafted_run(folder: Path) -> Path:
     (folder / "samples.jsonl").write_text(json.dumps({"step": 0, "prompt": "Say hi", "answer": SCRIPT}) + "\n")
     (folder / "config.yaml").write_text("model: tiny\n")
     (folder / "data_report.json").symlink_to("/etc/passwd")
+    suite = [{"suite": SCRIPT, "kind": "qa", "metric": "exact_match", "n": 2, "step": step, "score": score,
+              "items": [{"score": a}, {"score": b}]} for step, score, a, b in ((0, 0.5, 1.0, 0.0), (2, 1.0, 1.0, 1.0))]
+    (folder / "suites.jsonl").write_text("".join(json.dumps(r) + "\n" for r in suite))
     return folder
 
 
@@ -70,6 +73,8 @@ def test_the_page_serves_its_runs_and_nothing_else(served):
     assert status == 200 and [r["step"] for r in state["metrics"]] == [1, 2]  # the torn line left out
     assert state["samples"][0]["answer"] == SCRIPT  # data, as the run wrote it
     assert state["data_report"] is None  # a link out of the run reads as absent
+    (row,) = state["suites"]  # the suites before and after, without their items
+    assert (row["suite"], row["before"], row["after"], row["delta"]) == (SCRIPT, 0.5, 1.0, 0.5)
     status, body = get(served, "/")
     assert status == 200 and b"/static/page.js" in body
     for path in ("/../etc/passwd", "/static/../../etc/passwd", "/static/%2e%2e/page.py", "/static/..%2fpage.py",
@@ -158,6 +163,7 @@ def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
                 page.goto(where)
                 page.wait_for_selector("#samples td")
                 assert SCRIPT in page.text_content("#samples")  # its markup is text
+                assert SCRIPT in page.text_content("#suites") and "+0.500" in page.text_content("#suites")
                 assert page.evaluate("window.__pwned") is None
             browser.close()
     finally:

@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 from leansft.core.io import checkpoint_files as ckpt
+from leansft.recipe import suites
 
 MAX_BYTES = 256 << 20  # a file larger is not read (a page for a run, not a file server; ~600k logged steps)
 SAMPLES_KEPT = 200  # the newest samples sent; the step-0 ones ("before") always
@@ -99,13 +100,24 @@ def checkpoints(run: Path) -> list[dict]:
     return found
 
 
+def _before_after(records: list) -> list[dict]:
+    """The suites' before/after rows; a file not as a run writes it gives none (the page still draws)."""
+    try:
+        return suites.before_after([r for r in records if isinstance(r, dict) and isinstance(r.get("items"), list)])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []
+
+
 def run_state(name: str, run: Path) -> dict:
     """Everything the page draws for one run. ``metrics``: every record of metrics.jsonl (training steps, eval
-    results, the run's totals); ``samples``: the step-0 ones and the newest; the rest as the run wrote them."""
+    results, the run's totals); ``samples``: the step-0 ones and the newest; ``suites``: each suite's score before
+    and after with the change and its interval (``suites.before_after``, the items left out); the rest as the run
+    wrote them."""
     samples = _jsonl(read_own(run / "samples.jsonl"))
     before = [s for s in samples if s.get("step") == 0]
     later = [s for s in samples if s.get("step") != 0][-SAMPLES_KEPT:]
     return {"name": name, "metrics": _jsonl(read_own(run / "metrics.jsonl")), "samples": before + later,
+            "suites": _before_after(_jsonl(read_own(run / suites.RESULTS))),
             "progress": _json(read_own(run / "progress.json")),
             "data_report": _json(read_own(run / "data_report.json")),
             "config": read_own(run / "config.yaml"), "checkpoints": checkpoints(run)}

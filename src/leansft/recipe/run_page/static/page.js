@@ -161,6 +161,14 @@ function drawDetails(state, main) {
   replace("samples", "samples", rows.length ? table(["prompt", "before training", "latest", "step"], rows)
                                              : el("p", {class: "muted", text: "no samples yet (eval.samples_every)"}),
           main);
+  // eval.suites: each suite's score before training and at its last run, the change and its 95% interval
+  const change = r => (typeof r.delta !== "number" ? "n/a" : `${r.delta >= 0 ? "+" : ""}${r.delta.toFixed(3)} (` +
+    `${fmt((r.delta_ci95 || [])[0], 3)} to ${fmt((r.delta_ci95 || [])[1], 3)})`);
+  const score = (x, step) => (x == null ? "n/a" : `${fmt(x, 3)} (step ${fmt(step)})`);
+  const su = (state.suites || []).map(r => [r.suite, r.metric, r.n, score(r.before, r.before_step),
+                                            score(r.after, r.after_step), change(r)]);
+  if (su.length) replace("suites", "suites before and after", table(["suite", "metric", "items", "before", "after",
+                                                                      "change (95% interval)"], su), main);
   const ck = state.checkpoints.map(c => [c.name, c.step, c.eval_loss, c.best ? "best" : ""]);
   replace("checkpoints", "checkpoints", ck.length ? table(["checkpoint", "step", "held-out loss", ""], ck)
                                                   : el("p", {class: "muted", text: "none yet"}), main);
