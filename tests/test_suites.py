@@ -131,3 +131,4 @@ def test_batched_greedy_answers_are_the_answers_one_at_a_time(tiny_run_assets):
     prompts = [q * n for n in (1, 3) for q in QUESTIONS]  # 8 prompts, short and long
     alone = generate(model, tok, template, prompts, max_new_tokens=12, temperature=0.0)
     assert generate_greedy(model, tok, template, prompts, max_new_tokens=12, batch_size=3) == alone
+    assert generate_greedy(model, tok, template, prompts, max_new_tokens=12, batch_tokens=64) == alone  # by length

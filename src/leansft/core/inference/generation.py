@@ -87,11 +87,12 @@ def generate(model, tokenizer, template: ChatTemplate, prompts: list, *, max_new
 
 @torch.no_grad()
 def generate_greedy(model, tokenizer, template: ChatTemplate, prompts: list, *, max_new_tokens: int = 64,
-                    settings: ChatSettings | None = None, batch_size: int = 16) -> list[str]:
-    """Greedy answers to many prompts, ``batch_size`` at a time (left-padded, the KV cache per batch): what a scored
-    suite needs. Prompts of similar length share a batch; the answers come back in the prompts' order. A batch's
-    padding can move a logit in its last bits, so an answer may differ from ``generate``'s alone where two tokens
-    tie."""
+                    settings: ChatSettings | None = None, batch_size: int = 16, batch_tokens: int = 8192) -> list[str]:
+    """Greedy answers to many prompts in batches (left-padded, the KV cache per batch): what a scored suite needs.
+    Prompts are taken shortest first; a batch holds at most ``batch_size`` of them and, past its first, no more than
+    ``batch_tokens`` of padded prompt (one long prompt is not padded against seven short ones). The answers come back
+    in the prompts' order. A batch's padding can move a logit in its last bits, so an answer may differ from
+    ``generate``'s alone where two tokens tie."""
     settings = settings or ChatSettings()
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer, template)
@@ -99,10 +100,16 @@ def generate_greedy(model, tokenizer, template: ChatTemplate, prompts: list, *, 
     ids = [settings.ids(tokenizer, template, p) if isinstance(p, str) or (p and isinstance(p[0], dict))
            else [int(t) for t in p] for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    batches: list[list[int]] = []
+    for i in order:  # ascending lengths: the newest prompt is the batch's widest
+        last = batches[-1] if batches else None
+        if last and len(last) < batch_size and (len(last) + 1) * len(ids[i]) <= batch_tokens:
+            last.append(i)
+        else:
+            batches.append([i])
     out: list[str] = [""] * len(ids)
     with generation_mode(model):
-        for start in range(0, len(order), batch_size):
-            batch = order[start:start + batch_size]
+        for batch in batches:
             width = max(len(ids[i]) for i in batch)
             input_ids = torch.tensor([[pad] * (width - len(ids[i])) + list(ids[i]) for i in batch], device=device)
             mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in batch], device=device)
