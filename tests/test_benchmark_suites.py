@@ -55,9 +55,12 @@ def no_network(monkeypatch):
             raise AssertionError(f"a suite reached for the network: {address}")
         return real(self, address)
 
+    from huggingface_hub import constants
+
     monkeypatch.setattr(socket.socket, "connect", connect)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: a worker may have imported it already
 
 
 def test_ifbench_scores_equal_its_reference_checker(tmp_path, no_network, capsys):
@@ -239,11 +242,35 @@ def test_mtbench_is_graded_by_the_named_judge_with_mt_benchs_prompts(tmp_path, n
 
 
 @pytest.mark.parametrize("suite, says", [("mmlu", "hf download cais/mmlu"),
-                                         ("ifeval", "save google/IFEval's train split as a .jsonl")])
+                                         ("ifeval", "save google/IFEval's ifeval_input_data.jsonl")])
 def test_a_suite_without_its_data_fails_in_one_line(tmp_path, no_network, capsys, suite, says):
     assert main(["eval", "none", "--suite", suite, "--responses", str(tmp_path / "unused.jsonl")]) != 0
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+def test_without_a_local_copy_the_hubs_cached_copy_is_read(tmp_path, no_network, monkeypatch):
+    """No data named: cais/mmlu and google/IFEval as huggingface_hub caches them (HF_HUB_OFFLINE: the cache only)."""
+    from huggingface_hub import constants
+
+    from leansft.core.config import SuiteConfig
+    from leansft.recipe import suites
+
+    for repo in ("cais/mmlu", "google/IFEval"):
+        folder = tmp_path / "hub" / f"datasets--{repo.replace('/', '--')}"
+        (folder / "refs").mkdir(parents=True)
+        (folder / "refs" / "main").write_text("abc123")
+        (folder / "snapshots" / "abc123").mkdir(parents=True)
+    write_mmlu(tmp_path / "hub" / "datasets--cais--mmlu" / "snapshots" / "abc123")
+    row = {"key": 1, "prompt": "Answer in lowercase only.", "instruction_id_list": ["change_case:english_lowercase"],
+           "kwargs": [{}]}
+    (tmp_path / "hub" / "datasets--google--IFEval" / "snapshots" / "abc123" / "ifeval_input_data.jsonl").write_text(
+        json.dumps(row) + "\n")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    items, _ = suites.load_items(SuiteConfig(name="mmlu", shots=5), seed=0)
+    assert len(items) == 12 and {it["subject"] for it in items} == set(SUBJECTS)
+    items, _ = suites.load_items(SuiteConfig(name="ifeval"), seed=0)
+    assert [it["prompt"] for it in items] == [row["prompt"]]
 
 
 def test_a_missing_checker_package_names_what_to_install():

