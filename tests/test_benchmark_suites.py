@@ -125,8 +125,8 @@ def test_ifeval_from_a_local_file_scores_as_lm_eval(tmp_path, no_network):
 @pytest.mark.slow
 def test_mmlu_equals_lm_eval_on_the_same_rows_and_model(tmp_path, tiny_run_assets, no_network):
     """lm-eval's own mmlu task config (its prompt, description, few-shot sampler) on a local copy of the rows, run
-    by lm-eval's HF backend: every question's four log-likelihoods, the pick and the accuracy equal ours, 0- and
-    5-shot; the original CSV layout reads as the Hub's parquet."""
+    by lm-eval's HF backend: every question's prompt, four log-likelihoods, pick and the accuracy equal ours, 0- and
+    5-shot; the original CSV layout reads as the same questions as the Hub's parquet."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -143,23 +143,29 @@ def test_mmlu_equals_lm_eval_on_the_same_rows_and_model(tmp_path, tiny_run_asset
             "description": f"The following are multiple choice questions (with answers) about "
                            f"{subject.replace('_', ' ')}.\n\n"}))
     lm = HFLM(pretrained=tiny_run_assets["model"], device="cpu", batch_size=8, dtype="float32")
-    csv_root = write_mmlu(tmp_path / "mmlu_csv", layout="csv")
     for shots in (0, 5):
         theirs = lm_eval.simple_evaluate(model=lm, tasks=[f"fx_{s}" for s in SUBJECTS], num_fewshot=shots,
                                          task_manager=TaskManager(include_path=str(tasks)), log_samples=True)
-        for folder in (root, csv_root):
-            out = tmp_path / f"ours{shots}.json"
-            assert main(["eval", tiny_run_assets["model"], "--suite", f"mmlu={folder}", "--shots", str(shots),
-                         "--json", str(out)]) == 0
-            (ours,) = json.loads(out.read_text())
-            expected = [s for subject in SUBJECTS
-                        for s in sorted(theirs["samples"][f"fx_{subject}"], key=lambda s: s["doc_id"])]
-            assert len(ours["items"]) == len(expected) == 12
-            for item, sample in zip(ours["items"], expected):
-                assert item["prompt"] == sample["arguments"][0][0]
-                assert item["loglikelihoods"] == pytest.approx([r[0][0] for r in sample["resps"]], abs=1e-4)
-                assert item["score"] == sample["acc"]
-            assert ours["score"] == pytest.approx(sum(s["acc"] for s in expected) / len(expected))
+        out = tmp_path / f"ours{shots}.json"
+        assert main(["eval", tiny_run_assets["model"], "--suite", f"mmlu={root}", "--shots", str(shots),
+                     "--json", str(out)]) == 0
+        (ours,) = json.loads(out.read_text())
+        expected = [s for subject in SUBJECTS
+                    for s in sorted(theirs["samples"][f"fx_{subject}"], key=lambda s: s["doc_id"])]
+        assert len(ours["items"]) == len(expected) == 12
+        for item, sample in zip(ours["items"], expected):
+            assert item["prompt"] == sample["arguments"][0][0]
+            assert item["loglikelihoods"] == pytest.approx([r[0][0] for r in sample["resps"]], abs=1e-4)
+            assert item["score"] == sample["acc"]
+        assert ours["score"] == pytest.approx(sum(s["acc"] for s in expected) / len(expected))
+    # the original release's CSV layout reads as the same questions, worked examples included
+    from leansft.core.config import SuiteConfig
+    from leansft.recipe import suites
+
+    csv_root = write_mmlu(tmp_path / "mmlu_csv", layout="csv")
+    parquet, csv = (suites.load_items(SuiteConfig(name="mmlu", data=str(d), shots=5), seed=0)[0]
+                    for d in (root, csv_root))
+    assert parquet == csv
 
 
 def test_choice_logprobs_of_longer_answers_equal_the_plain_forward(tiny_run_assets):
