@@ -255,6 +255,33 @@ def test_a_suite_without_its_data_fails_in_one_line(tmp_path, no_network, capsys
     assert says in err and err.count("\n") == 1
 
 
+def test_crafted_suite_files_fail_in_one_line_naming_the_file(tmp_path, capsys):
+    """An MMLU folder whose parquet is not MMLU's, an answer out of range, MT-Bench questions with bad JSON or one
+    turn, responses that are not responses: one line each, naming the file (and row), no traceback."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "wrong" / "x").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([{"text": "hi"}]), tmp_path / "wrong" / "x" / "test-0.parquet")
+    (tmp_path / "range" / "x").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "choices": ["a", "b", "c", "d"], "answer": 7}]),
+                   tmp_path / "range" / "x" / "test-0.parquet")
+    (tmp_path / "bad.jsonl").write_text('{"turns": ["a", "b"], "category": "writing"}\n{not json\n')
+    (tmp_path / "one.jsonl").write_text('{"turns": ["only one"], "category": "writing"}\n')
+    (tmp_path / "qa.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
+    (tmp_path / "given.jsonl").write_text('{"answer": "not a response"}\n')
+    cases = [(["--suite", f"mmlu={tmp_path / 'wrong'}"], "expected MMLU's columns", "test-0.parquet"),
+             (["--suite", f"mmlu={tmp_path / 'range'}"], "an answer 0-3", "test-0.parquet"),
+             (["--suite", f"mtbench={tmp_path / 'bad.jsonl'}"], "invalid JSON", "bad.jsonl"),
+             (["--suite", f"mtbench={tmp_path / 'one.jsonl'}"], "two turns", "one.jsonl"),
+             (["--suite", str(tmp_path / "qa.jsonl"), "--responses", str(tmp_path / "given.jsonl")],
+              '{"response": TEXT}', "given.jsonl")]
+    for args, says, names in cases:  # the suite's data is read before any model: "none" is never loaded
+        assert main(["eval", "none", *args]) != 0
+        err = capsys.readouterr().err
+        assert says in err and names in err and err.count("\n") == 1, err
+
+
 def test_without_a_local_copy_the_hubs_cached_copy_is_read(tmp_path, no_network, monkeypatch):
     """No data named: cais/mmlu and google/IFEval as huggingface_hub caches them (HF_HUB_OFFLINE: the cache only)."""
     from huggingface_hub import constants

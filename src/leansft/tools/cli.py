@@ -268,7 +268,19 @@ def _given_responses(path: str):
     their prompt where the rows carry one (IFBench's and IFEval's output files do), else in the suite's order."""
     from leansft.recipe import suites
 
-    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not Path(path).is_file():
+        raise LeanSFTError("file not found", file=path, field="--responses")
+    rows = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            raise LeanSFTError("invalid JSON", file=path, row=number) from None
+        ok = isinstance(row, dict) and (isinstance(row.get("response"), str) or isinstance(row.get("turns"), list)
+                                        and all(isinstance(t, str) for t in row["turns"]) and row["turns"])
+        if row is not None and not ok:
+            raise LeanSFTError('expected {"response": TEXT} or {"turns": [TEXT, ...]}', file=path, row=number)
+        rows += [row] if row is not None else []
     given = [r["turns"] if "turns" in r else [r["response"]] for r in rows]
     by_prompt = {r["prompt"]: g for r, g in zip(rows, given) if isinstance(r.get("prompt"), str)}
     calls = iter(range(2))

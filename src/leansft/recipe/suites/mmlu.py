@@ -29,9 +29,18 @@ def _parquet(folder: Path, split: str) -> dict[str, list[dict]]:
     for path in sorted(folder.glob(f"*/{split}-*.parquet")):
         if path.parent.name in ("all", "auxiliary_train"):
             continue
-        for row in pq.read_table(path).to_pylist():
+        try:
+            rows = pq.read_table(path, columns=["question", "choices", "answer"]).to_pylist()
+        except (OSError, ValueError, KeyError) as e:  # not parquet, or not MMLU's columns
+            raise DataError(f"expected MMLU's columns question, choices, answer ({type(e).__name__})",
+                            file=str(path)) from None
+        for number, row in enumerate(rows, 1):
+            choices, answer = row["choices"], row["answer"]
+            if not (isinstance(row["question"], str) and isinstance(choices, list) and len(choices) == 4
+                    and all(isinstance(c, str) for c in choices) and answer in (0, 1, 2, 3)):
+                raise DataError("expected a question, four choices and an answer 0-3", file=str(path), row=number)
             by_subject.setdefault(path.parent.name, []).append(
-                {"question": row["question"], "choices": list(row["choices"]), "answer": int(row["answer"])})
+                {"question": row["question"], "choices": choices, "answer": int(answer)})
     return by_subject
 
 

@@ -34,13 +34,21 @@ def package_data() -> Path:
 def _jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise DataError("file not found", file=str(path))
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                raise DataError("invalid JSON", file=str(path), row=number) from None
+    return rows
 
 
 def load_items(suite: SuiteConfig, seed: int) -> tuple[list[dict], dict]:
     questions = _jsonl(Path(suite.data)) if suite.data else _jsonl(package_data() / "mt_bench" / "question.jsonl")
     for number, q in enumerate(questions, 1):
-        if not (isinstance(q.get("turns"), list) and len(q["turns"]) == 2 and "category" in q):
+        if not (isinstance(q, dict) and isinstance(q.get("turns"), list) and len(q["turns"]) == 2
+                and all(isinstance(t, str) for t in q["turns"]) and isinstance(q.get("category"), str)):
             raise DataError("an MT-Bench question needs category and two turns", file=suite.data, row=number)
     items = [{"question_id": q.get("question_id"), "category": q["category"], "stratum": q["category"],
               "turns": q["turns"]} for q in questions]
