@@ -268,19 +268,15 @@ def _given_responses(path: str):
     their prompt where the rows carry one (IFBench's and IFEval's output files do), else in the suite's order."""
     from leansft.recipe import suites
 
-    if not Path(path).is_file():
-        raise LeanSFTError("file not found", file=path, field="--responses")
+    from leansft.core.data.sources import jsonl_rows
+
     rows = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            row = json.loads(line) if line.strip() else None
-        except ValueError:
-            raise LeanSFTError("invalid JSON", file=path, row=number) from None
-        ok = isinstance(row, dict) and (isinstance(row.get("response"), str) or isinstance(row.get("turns"), list)
-                                        and all(isinstance(t, str) for t in row["turns"]) and row["turns"])
-        if row is not None and not ok:
+    for number, row in jsonl_rows(path):
+        turns = row.get("turns")
+        if not (isinstance(row.get("response"), str)
+                or isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
             raise LeanSFTError('expected {"response": TEXT} or {"turns": [TEXT, ...]}', file=path, row=number)
-        rows += [row] if row is not None else []
+        rows.append(row)
     given = [r["turns"] if "turns" in r else [r["response"]] for r in rows]
     by_prompt = {r["prompt"]: g for r, g in zip(rows, given) if isinstance(r.get("prompt"), str)}
     calls = iter(range(2))

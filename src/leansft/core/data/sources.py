@@ -170,6 +170,15 @@ def read_raw_rows(path: str, split: str = "train") -> Iterator[tuple[int, str | 
     yield from _read_hf(path, split)
 
 
+def jsonl_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` of a JSON-lines file whatever its name's suffix (blank lines skipped; a bad byte, bad
+    JSON or a line that is no object is a DataError naming file and line)."""
+    if not Path(path).is_file():
+        raise DataError("file not found", file=str(path))
+    for number, raw in _jsonl_lines(Path(path)):
+        yield number, parse_row(raw, str(path), number)
+
+
 def read_rows(path: str, split: str = "train") -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(row_number, row)`` from a file, a local dataset folder, or a Hub dataset name."""
     for number, raw in read_raw_rows(path, split):

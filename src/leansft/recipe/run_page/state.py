@@ -100,12 +100,27 @@ def checkpoints(run: Path) -> list[dict]:
     return found
 
 
-def _before_after(records: list) -> list[dict]:
-    """The suites' before/after rows; a file not as a run writes it gives none (the page still draws)."""
+_SUITES_SEEN: dict[str, tuple[tuple[int, int], list[dict]]] = {}  # suites.jsonl -> (its mtime and size, the rows)
+
+
+def _before_after(run: Path) -> list[dict]:
+    """The suites' before/after rows, worked out again only when suites.jsonl changed (it holds every item: tens of
+    MB for MMLU, and the page asks every 2 s); a file not as a run writes it gives none (the page still draws)."""
+    path = run / suites.RESULTS
     try:
-        return suites.before_after([r for r in records if isinstance(r, dict) and isinstance(r.get("items"), list)])
-    except (KeyError, TypeError, ValueError, AttributeError):
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
         return []
+    seen = _SUITES_SEEN.get(str(path))
+    if seen is not None and seen[0] == (st.st_mtime_ns, st.st_size):
+        return seen[1]
+    records = _jsonl(read_own(path))
+    try:
+        rows = suites.before_after([r for r in records if isinstance(r, dict) and isinstance(r.get("items"), list)])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        rows = []
+    _SUITES_SEEN[str(path)] = ((st.st_mtime_ns, st.st_size), rows)
+    return rows
 
 
 def run_state(name: str, run: Path) -> dict:
@@ -117,7 +132,7 @@ def run_state(name: str, run: Path) -> dict:
     before = [s for s in samples if s.get("step") == 0]
     later = [s for s in samples if s.get("step") != 0][-SAMPLES_KEPT:]
     return {"name": name, "metrics": _jsonl(read_own(run / "metrics.jsonl")), "samples": before + later,
-            "suites": _before_after(_jsonl(read_own(run / suites.RESULTS))),
+            "suites": _before_after(run),
             "progress": _json(read_own(run / "progress.json")),
             "data_report": _json(read_own(run / "data_report.json")),
             "config": read_own(run / "config.yaml"), "checkpoints": checkpoints(run)}

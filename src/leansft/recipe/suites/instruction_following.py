@@ -6,13 +6,14 @@ reference scorers compute them; the per-item score (for the before/after interva
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
-import json
 from pathlib import Path
 
 import numpy as np
 
 from leansft.core.config import SuiteConfig
+from leansft.core.data.sources import jsonl_rows
 from leansft.core.errors import DataError, LeanSFTError
 from leansft.recipe.suites import offline
 from leansft.recipe.suites.hub_data import snapshot
@@ -26,16 +27,11 @@ NEEDS = {"StopWordPercentageChecker": "stopwords", "StartWithVerbChecker": "aver
 
 def _read_jsonl(path: Path, suite: str) -> list[dict]:
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                raise DataError("invalid JSON", file=str(path), row=number) from None
-    for number, row in enumerate(rows, 1):
-        if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
-                and isinstance(row.get("instruction_id_list"), list) and isinstance(row.get("kwargs"), list)):
+    for number, row in jsonl_rows(path):
+        if not (isinstance(row.get("prompt"), str) and isinstance(row.get("instruction_id_list"), list)
+                and isinstance(row.get("kwargs"), list)):
             raise DataError(f"{suite} rows need prompt, instruction_id_list and kwargs", file=str(path), row=number)
+        rows.append(row)
     return rows
 
 
@@ -53,6 +49,12 @@ def load_rows(suite: SuiteConfig) -> list[dict]:
     if len(files) != 1:
         raise LeanSFTError(f"{IFEVAL_WHERE} (the Hub's google/IFEval at {folder} holds {len(files)} .jsonl files)")
     return _read_jsonl(files[0], "ifeval")
+
+
+@functools.cache
+def checkers(kind: str) -> Checkers:
+    """One ``Checkers`` per benchmark and process: loading and scoring (before, between, after) share it."""
+    return Checkers(kind)
 
 
 class Checkers:
@@ -93,10 +95,10 @@ class Checkers:
 def load_items(suite: SuiteConfig, seed: int) -> tuple[list[dict], dict]:
     """The suite's scoreable prompts (a spread sample under ``limit``) and the skipped ones counted by reason."""
     rows = load_rows(suite)
-    checkers = Checkers(suite.kind)
+    scorer = checkers(suite.kind)
     items, skipped = [], {}
     for row in rows:
-        reasons = {i: checkers.skip_reason(i) for i in row["instruction_id_list"]}
+        reasons = {i: scorer.skip_reason(i) for i in row["instruction_id_list"]}
         reasons = {i: r for i, r in reasons.items() if r}
         if reasons:
             for instruction, reason in reasons.items():
@@ -107,11 +109,11 @@ def load_items(suite: SuiteConfig, seed: int) -> tuple[list[dict], dict]:
 
 
 def score(suite: SuiteConfig, items: list[dict], answers: list[str], rendered: list[str]) -> dict:
-    checkers = Checkers(suite.kind)
+    scorer = checkers(suite.kind)
     scored = []
     with offline.offline():
         for item, response, seen in zip(items, answers, rendered):
-            verdict = checkers.check(item["row"], response)
+            verdict = scorer.check(item["row"], response)
             scored.append({"key": item["row"].get("key"), "prompt": item["prompt"], "rendered": seen,
                            "instructions": item["row"]
                            ["instruction_id_list"], "response": response, **verdict,

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from leansft.core.config import SuiteConfig
+from leansft.core.data.sources import jsonl_rows
 from leansft.core.errors import DataError, LeanSFTError
 from leansft.recipe.suites import offline
 from leansft.recipe.suites.sampling import spread_sample
@@ -31,27 +32,14 @@ def package_data() -> Path:
     return Path(spec.submodule_search_locations[0]) / "fastchat" / "fastchat" / "llm_judge" / "data"
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise DataError("file not found", file=str(path))
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                raise DataError("invalid JSON", file=str(path), row=number) from None
-    return rows
-
-
 def load_items(suite: SuiteConfig, seed: int) -> tuple[list[dict], dict]:
-    questions = _jsonl(Path(suite.data)) if suite.data else _jsonl(package_data() / "mt_bench" / "question.jsonl")
-    for number, q in enumerate(questions, 1):
-        if not (isinstance(q, dict) and isinstance(q.get("turns"), list) and len(q["turns"]) == 2
+    questions = list(jsonl_rows(suite.data or package_data() / "mt_bench" / "question.jsonl"))
+    for number, q in questions:
+        if not (isinstance(q.get("turns"), list) and len(q["turns"]) == 2
                 and all(isinstance(t, str) for t in q["turns"]) and isinstance(q.get("category"), str)):
             raise DataError("an MT-Bench question needs category and two turns", file=suite.data, row=number)
     items = [{"question_id": q.get("question_id"), "category": q["category"], "stratum": q["category"],
-              "turns": q["turns"]} for q in questions]
+              "turns": q["turns"]} for _, q in questions]
     return spread_sample(items, suite.limit, seed), {}
 
 
@@ -71,10 +59,10 @@ class Judge:
 
     def __init__(self, url: str, model: str, timeout: float = 120.0) -> None:
         self.url, self.model, self.timeout = url.rstrip("/"), model, timeout
-        prompts = {p["name"]: p for p in _jsonl(package_data() / "judge_prompts.jsonl")}
+        prompts = {p["name"]: p for _, p in jsonl_rows(package_data() / "judge_prompts.jsonl")}
         self.prompts = prompts
-        refs = _jsonl(package_data() / "mt_bench" / "reference_answer" / "gpt-4.jsonl")
-        self.references = {r["question_id"]: r["choices"][0]["turns"] for r in refs}
+        refs = jsonl_rows(package_data() / "mt_bench" / "reference_answer" / "gpt-4.jsonl")
+        self.references = {r["question_id"]: r["choices"][0]["turns"] for _, r in refs}
 
     def ask(self, messages: list[dict]) -> str:
         body = json.dumps({"model": self.model, "messages": messages, "temperature": 0, "max_tokens": 2048}).encode()

@@ -4,13 +4,13 @@ here."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
 from leansft.core.config import SuiteConfig
+from leansft.core.data.sources import jsonl_rows
 from leansft.core.errors import DataError
 
 
@@ -51,16 +51,10 @@ def load_items(suite: SuiteConfig, seed: int) -> tuple[list[dict], dict]:
     if not path.is_file():
         raise DataError("file not found", file=suite.data, field=f"eval.suites[{suite.name}].data")
     items = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise DataError("invalid JSON", file=suite.data, row=number) from None
-        prompt = row.get("messages") if isinstance(row, dict) else None
-        prompt = prompt if prompt is not None else row.get("prompt") if isinstance(row, dict) else None
-        reference = row.get("answer", row.get("reference")) if isinstance(row, dict) else None
+    for number, row in jsonl_rows(path):
+        prompt = row.get("messages")
+        prompt = prompt if prompt is not None else row.get("prompt")
+        reference = row.get("answer", row.get("reference"))
         if not (isinstance(prompt, str) and prompt.strip() or isinstance(prompt, list) and prompt):
             raise DataError("expected a prompt (a user message) or messages", file=suite.data, row=number,
                             field="prompt")
