@@ -17,7 +17,10 @@ import torch
 from leansft.core.batching.packing import PackPlan
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
+from leansft.core.errors import ConfigError
 from leansft.core.host_read import HostRead
+from leansft.core.vision.data import vision_inputs
+from leansft.core.vision.forward import VisionInputs
 
 
 class _Targets:
@@ -73,6 +76,7 @@ class PackedBatch(_Targets):
     # past its tokens (the next share's first label), and ``padding`` tokens at its end only fill the split.
     context: tuple[int, int] = (0, 1)
     padding: int = 0
+    vision: VisionInputs | None = None  # a vision model's images (``core/vision/forward.py``)
 
     @property
     def real_tokens(self) -> int:
@@ -93,12 +97,14 @@ class PackedBatch(_Targets):
         return PackedBatch(_to(self.input_ids, device), labels, _to(self.position_ids, device), cu, self.max_seqlen,
                            self.examples, self.starts, None if self.weights is None else _to(self.weights, device),
                            target_index=self._moved_targets(labels, device), segment_sizes=HostRead.of(sizes, cu),
-                           context=self.context, padding=self.padding)
+                           context=self.context, padding=self.padding,
+                           vision=None if self.vision is None else self.vision.to(device))
 
     def pin_memory(self) -> PackedBatch:
         """The batch in page-locked host memory (for a CUDA run; done ahead, on the batch thread)."""
         pinned = _pinned(self, "input_ids", "labels", "position_ids", "cu_seqlens", "weights")
-        return dataclasses.replace(self, **pinned, **self._pinned_targets(pinned))
+        vision = None if self.vision is None else self.vision.pin_memory()
+        return dataclasses.replace(self, **pinned, **self._pinned_targets(pinned), vision=vision)
 
     def host_segment_sizes(self) -> list[int] | None:
         """The pieces' lengths read on the host by ``to`` (None where ``cu_seqlens`` is not what they were read
@@ -159,6 +165,7 @@ def collate_packed(data: TokenizedDataset, example: np.ndarray, start: np.ndarra
         torch.from_numpy(ids)[None], torch.from_numpy(labels)[None], torch.from_numpy(positions)[None],
         torch.from_numpy(cu.astype(np.int32)), int(length.max()) if len(length) else 0, np.asarray(example),
         np.asarray(start), None if weights is None else torch.from_numpy(weights)[None],
+        vision=None if data.store.images is None else vision_inputs(data, example, start, length),
     )
 
 
@@ -170,6 +177,9 @@ def collate_rows(data: TokenizedDataset, plan: PackPlan, rows: np.ndarray) -> Pa
 
 def collate_padded(data: TokenizedDataset, examples: np.ndarray, pad_id: int, max_length: int | None = None) -> PaddedBatch:
     examples = np.asarray(examples, dtype=np.int64)
+    if data.store.images is not None:
+        raise ConfigError("padded batches of examples with images are not supported yet", field="batching.strategy",
+                          hint="use batching.strategy bfd (packed, examples whole)")
     lens = data.lengths[examples]
     if max_length is not None:
         lens = np.minimum(lens, max_length)

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,6 +59,7 @@ class TokenStore:
     rows: np.ndarray
     hashes: np.ndarray
     max_id: int = -1
+    images: Any = None  # a vision model's data: each example's images (``core/vision/data.ImageTable``)
 
     @staticmethod
     def merge(stores: list[TokenStore]) -> TokenStore:

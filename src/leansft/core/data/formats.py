@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from leansft.core.data.media import (IMAGE_PLACEHOLDER, ImageRefs, image_part, merge_text_parts, placeholder_parts,
+                                     resolve, row_images)
 from leansft.core.errors import DataError
 
 MESSAGE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -35,12 +37,14 @@ SHAREGPT_ROLES = {
 @dataclass
 class Conversation:
     """One training example before tokenisation. ``text`` is set (and ``messages`` empty) for plain text.
-    ``tools``: the row's tool definitions, OpenAI style (``{"type": "function", "function": {...}}``)."""
+    ``tools``: the row's tool definitions, OpenAI style (``{"type": "function", "function": {...}}``). ``images``:
+    for a vision model's data only, each ``{"type": "image"}`` content part's file, data URI or base64 text."""
 
     messages: list[dict] = field(default_factory=list)
     text: str | None = None
     row: int = 0
     tools: list[dict] | None = None
+    images: list[str] = field(default_factory=list)  # image references in order of appearance (``media.py``)
 
     @property
     def has_assistant(self) -> bool:
@@ -50,8 +54,9 @@ class Conversation:
 class _Row:
     """Field access on one raw row that raises errors naming file, row and field."""
 
-    def __init__(self, row: dict[str, Any], file: str, number: int) -> None:
+    def __init__(self, row: dict[str, Any], file: str, number: int, images: ImageRefs | None = None) -> None:
         self.row, self.file, self.number = row, file, number
+        self.images = images  # where image parts are kept (a vision model's data), else None: they are refused
 
     def error(self, field_name: str, message: str) -> DataError:
         return DataError(message, file=self.file, row=self.number, field=field_name)
@@ -74,23 +79,44 @@ class _Row:
         return value
 
 
-def _text_of_parts(r: _Row, where: str, parts: list) -> str:
-    """OpenAI-style content parts ``[{"type": "text", "text": ...}]`` joined; other parts are refused."""
-    texts = []
+def _text_of_parts(r: _Row, where: str, parts: list, role: str = "user") -> str | list[dict]:
+    """OpenAI-style content parts ``[{"type": "text", "text": ...}]`` joined. Image parts, where the row's images
+    are kept (``_Row.images``), make the content a list of ``{"type": "text"}`` and ``{"type": "image"}`` parts as
+    chat templates read them (``media.image_part``); any other part is refused."""
+    out: list[dict] = []
     for j, part in enumerate(parts):
         if isinstance(part, str):
-            texts.append(part)
+            out.append({"type": "text", "text": part})
         elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            out.append({"type": "text", "text": part["text"]})
+        elif r.images is not None and image_part(part)[0]:
+            if role != "user":
+                raise r.error(f"{where}[{j}]", f"an image in a {role} message: only user messages may hold images "
+                                               "(an answer's image cannot be generated, nor trained on)")
+            ref = image_part(part)[1]
+            if ref is None:
+                r.images.placeholders += 1  # its file is in the row's images column
+            elif not isinstance(ref, str) or not ref.strip():
+                raise r.error(f"{where}[{j}]", "an image part without a file, data URI or base64 text")
+            else:
+                r.images.given.append(ref)
+            out.append({"type": "image"})
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise r.error(f"{where}[{j}]", f"unsupported content part {kind!r} ({TEXT_ONLY})")
-    return "".join(texts)
+            raise r.error(f"{where}[{j}]", f"unsupported content part {kind!r} "
+                                           f"({TEXT_ONLY if r.images is None else 'images and text only'})")
+    if any(p["type"] == "image" for p in out):
+        return merge_text_parts(out)
+    return "".join(p["text"] for p in out)
 
 
-def _check_content(r: _Row, where: str, role: str, content: Any) -> str:
+def _check_content(r: _Row, where: str, role: str, content: Any) -> str | list[dict]:
     if isinstance(content, list):
-        content = _text_of_parts(r, where, content)
+        content = _text_of_parts(r, where, content, role)
+    elif isinstance(content, str) and r.images is not None and IMAGE_PLACEHOLDER in content:
+        content = placeholder_parts(content, role, lambda why: r.error(where, why), r.images)
+    if isinstance(content, list):  # text and images
+        return content
     if not isinstance(content, str):
         raise r.error(where, f"expected str, got {type(content).__name__}")
     if not content.strip() and role in ("user", "assistant"):
@@ -187,7 +213,7 @@ def _message_list(r: _Row, key: str, items: Any, role_key: str, content_key: str
                 raise r.error(f"{where}.tool_calls", f"expected a list, got {type(calls).__name__}")
             calls = [_tool_call(r, f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
             text = msg.get(content_key)
-            text = _text_of_parts(r, f"{where}.{content_key}", text) if isinstance(text, list) else (text or "")
+            text = _text_of_parts(r, f"{where}.{content_key}", text, role) if isinstance(text, list) else (text or "")
             out.append({"role": role, "content": text, "tool_calls": calls, **_reasoning_of(msg),
                         **_loss_flag(r, where, msg)})
             continue
@@ -314,21 +340,27 @@ MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
 TEXT_ONLY = "leansft trains on text alone: images, video and audio are not supported yet"
 
 
-def convert_row(row: dict[str, Any], fmt: str, file: str, number: int) -> Conversation:
+def convert_row(row: dict[str, Any], fmt: str, file: str, number: int, images: bool = False) -> Conversation:
     """Convert one raw row; ``fmt`` must be a concrete format (resolve ``auto`` first). A row carrying media is
-    refused: trained as text, its ``<image>`` placeholders would be learned as words and its images never seen."""
+    refused: trained as text, its ``<image>`` placeholders would be learned as words and its images never seen.
+    ``images``: for a vision model, whose rows may hold images (``core/data/media.py``; video and audio are still
+    refused)."""
     if fmt not in CONVERTERS:
         raise DataError(f"unknown format '{fmt}'; expected one of {', '.join(FORMATS)}", file=file, field="format")
+    beside = row_images(row, lambda key, why: DataError(why, file=file, row=number, field=key)) if images else []
     for key in MEDIA_KEYS:
         media = row.get(key)
+        if images and key in ("images", "image"):
+            continue
         if media not in (None, "", [], {}):
             n = len(media) if isinstance(media, list) else 1
             raise DataError(f"the row has {n} {key.rstrip('s')}{'s' if n != 1 else ''} ({TEXT_ONLY})", file=file,
                             row=number, field=key,
                             hint="leave the media out (and their <image> placeholders) to train on the text, or "
                                  "drop these rows (data.on_bad_row: skip)")
+    kept = ImageRefs() if images else None
     try:
-        conv = CONVERTERS[fmt](_Row(row, file, number))
+        conv = CONVERTERS[fmt](_Row(row, file, number, kept))
     except DataError as err:
         looks = [f for f in _matches(row) if f != fmt]
         if len(looks) != 1:
@@ -336,6 +368,8 @@ def convert_row(row: dict[str, Any], fmt: str, file: str, number: int) -> Conver
         raise DataError(err.message, file=err.file, row=err.row, field=err.field,
                         hint=f"the rows look like '{looks[0]}', not '{fmt}': use format {looks[0]} (or auto)") from None
     conv.row = number
+    if images:
+        conv.images = resolve(kept, beside, lambda why: DataError(why, file=file, row=number, field="images"))
     return conv
 
 

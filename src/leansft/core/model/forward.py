@@ -10,6 +10,7 @@ from leansft.core.model.attention import decoder_of, packed_forward
 from leansft.core.model.head import read_output_head
 from leansft.core.model.loss import PLAIN, HeadPrecision, chunked_loss, liger_loss
 from leansft.core.model.rope import batch_lengths, per_example_rope
+from leansft.core.vision.forward import packed_vision_forward
 
 
 def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
@@ -18,6 +19,8 @@ def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
     per_example_rope(model)
     with batch_lengths(batch):
         if isinstance(batch, PackedBatch):
+            if batch.vision is not None:
+                return packed_vision_forward(model, batch)
             return packed_forward(model, batch)
         impl = model.config._attn_implementation
         if impl.startswith("leansft"):

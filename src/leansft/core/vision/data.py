@@ -1,0 +1,173 @@
+"""A vision model's training data: rows with images -> conversations -> ids and labels (image tokens expanded)
+and, beside them, each example's images (references and patch grids), read again when a batch is made.
+
+Every image is opened and decoded whole here, so a bad one fails (or is skipped and counted under
+``data.on_bad_row: skip``) before the model is loaded. The examples live in memory (vision data sets are
+thousands of conversations, their weight is in the images); the text-only path's cache is not used yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from leansft.core.config import DataConfig, SourceConfig
+from leansft.core.data.dataset import PrepReport, TokenizedDataset, TokenStore
+from leansft.core.data.formats import convert_row, detect_format, map_columns
+from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
+from leansft.core.data.sources import parse_row, read_raw_rows
+from leansft.core.errors import ConfigError, DataError, LeanSFTError
+from leansft.core.vision.encode import VisionEncoder
+from leansft.core.vision.family import VisionFamily
+from leansft.core.vision.forward import VisionInputs
+from leansft.core.vision.images import open_image
+from leansft.core.vision.processing import ImageProcessing, Pixels
+
+log = logging.getLogger("leansft")
+
+
+@dataclass
+class ImageTable:
+    """Per stored example: its images' references, the folder they are relative to, and their patch grids."""
+
+    refs: list[list[str]]
+    base: list[Path]
+    grids: list[np.ndarray]  # [images, 3] each
+    processing: ImageProcessing
+
+    def pixels(self, examples: np.ndarray) -> Pixels | None:
+        """The vision tower's input for the images of ``examples`` (stored indices), in order; None without any."""
+        images = [open_image(r, self.base[e], file=str(self.base[e]), row=-1) for e in examples for r in self.refs[e]]
+        if not images:
+            return None
+        pixels = self.processing(images)
+        expected = np.concatenate([self.grids[e] for e in examples if len(self.grids[e])])
+        if not np.array_equal(pixels.grid, expected):  # a file changed since the data was prepared
+            raise DataError("an image changed since the data was prepared (its patch grid differs)",
+                            file=str(self.base[examples[0]]))
+        return pixels
+
+
+def _hash(conv, images: list[str]) -> int:
+    """The conversation and its images' references: the same text about another image is another example."""
+    text = json.dumps([conv.messages, images, conv.tools], sort_keys=True, ensure_ascii=False)
+    return int.from_bytes(hashlib.blake2b(" ".join(text.casefold().split()).encode(), digest_size=8).digest(),
+                          "little", signed=True)
+
+
+def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImageProcessing,
+                   sources: list[SourceConfig] | None = None) -> tuple[TokenizedDataset, PrepReport]:
+    """Every source's rows as examples with their images; ``data.clean`` (dedupe, lengths) as for text, but an
+    example over ``data.max_length`` is dropped, never cut (a cut could fall inside an image's tokens)."""
+    sources = cfg.sources if sources is None else sources
+    if cfg.clean.pii_scrub:
+        raise ConfigError("data.clean.pii_scrub is not supported with images yet", field="data.clean.pii_scrub")
+    if any(s.weight != 1 for s in sources) or cfg.mix.mode != "concat":
+        raise ConfigError("source weights and data.mix are not supported with images yet", field="data.sources")
+    report = PrepReport()
+    ids, labels, refs, bases, grids, rows, hashes, parts = [], [], [], [], [], [], [], []
+    seen: set[int] = set()
+    for part, src in enumerate(sources):
+        meta = {"path": src.path, "rows_read": 0, "bad_rows": 0, "bad_row_examples": [], "images": 0}
+        base = Path(src.path).parent
+        fmt = src.format
+        for number, raw in read_raw_rows(src.path, src.split):
+            meta["rows_read"] += 1
+            try:
+                row = parse_row(raw, src.path, number)
+                row = map_columns(row, src.columns, src.path, number) if src.columns else row
+                if fmt == "auto":
+                    fmt = detect_format(row, src.path, number)
+                conv = convert_row(row, fmt, src.path, number, images=True)
+                if cfg.clean.drop_no_assistant and not conv.has_assistant:
+                    continue
+                pixels = processing([open_image(r, base, file=src.path, row=number) for r in conv.images]) \
+                    if conv.images else None
+                grid = pixels.grid if pixels is not None else np.zeros((0, 3), np.int64)
+                examples = encoder.encode(conv, grid, src.path)
+            except LeanSFTError as err:
+                if cfg.on_bad_row == "error" or not isinstance(err, DataError):
+                    raise
+                meta["bad_rows"] += 1
+                meta["bad_row_examples"] = (meta["bad_row_examples"] + [str(err)])[:5]
+                continue
+            h = _hash(conv, conv.images)
+            if cfg.clean.dedupe and h in seen:
+                report.duplicates_removed += len(examples)
+                continue
+            seen.add(h)
+            meta["images"] += len(conv.images)
+            for ex in examples:
+                n = len(ex.ids)
+                if n < cfg.clean.min_tokens or (cfg.clean.max_tokens is not None and n > cfg.clean.max_tokens):
+                    report.too_short += n < cfg.clean.min_tokens
+                    report.too_long += n >= cfg.clean.min_tokens
+                    continue
+                if n > cfg.max_length:
+                    report.dropped_over_length += 1
+                    continue
+                if not (ex.labels[1:] != IGNORE_INDEX).any():
+                    report.no_target_tokens += 1
+                    continue
+                ids.append(ex.ids)
+                labels.append(ex.labels)
+                refs.append(conv.images[: ex.images])
+                bases.append(base)
+                grids.append(grid[: ex.images])
+                rows.append(number)
+                hashes.append(h)
+                parts.append(part)
+        if meta["bad_rows"]:
+            log.warning("%s: %d bad rows skipped (data.on_bad_row: skip), e.g. %s", src.path, meta["bad_rows"],
+                        meta["bad_row_examples"][0])
+        report.sources.append({**meta, "format": fmt, "weight": 1.0, "examples": sum(p == part for p in parts)})
+    if report.dropped_over_length:
+        log.warning("%d examples with images longer than data.max_length %d dropped (an image's tokens are never cut):"
+                    " raise data.max_length or lower vision.max_pixels", report.dropped_over_length, cfg.max_length)
+    if not ids:
+        raise DataError(f"no examples left: {sum(s['rows_read'] for s in report.sources)} rows read, "
+                        f"{report.dropped_over_length} longer than data.max_length {cfg.max_length}, "
+                        f"{report.duplicates_removed} duplicates, {sum(s['bad_rows'] for s in report.sources)} bad",
+                        field="data.sources")
+    report.examples = len(ids)
+    return _dataset(ids, labels, rows, hashes, ImageTable(refs, bases, grids, processing)), report
+
+
+def _dataset(ids: list[np.ndarray], labels: list[np.ndarray], rows: list[int], hashes: list[int],
+             images: ImageTable) -> TokenizedDataset:
+    lengths = np.array([len(i) for i in ids], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    data = TokenizedDataset.from_arrays(np.concatenate(ids), np.concatenate(labels), offsets, np.asarray(rows))
+    data.store.hashes = np.asarray(hashes, np.int64)
+    data.store.images = images
+    return data
+
+
+def vision_encoder(tokenizer, template: ChatTemplate, family: VisionFamily, config, cfg: DataConfig) -> VisionEncoder:
+    from leansft.core.vision.family import merge_size
+
+    text = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn, cfg.special_tokens_in_content)
+    image_id = tokenizer.convert_tokens_to_ids(family.image_token)
+    if image_id is None or image_id == tokenizer.unk_token_id:
+        raise ConfigError(f"the tokenizer has no {family.image_token} token ({family.name}'s image placeholder)",
+                          field="tokenizer")
+    return VisionEncoder(text, family, int(image_id), merge_size(config))
+
+
+def vision_inputs(data: TokenizedDataset, example, start, length) -> VisionInputs:
+    """The images of a packed batch's pieces (example index, first token, token count): whole examples only."""
+    stored = data.index[np.asarray(example, np.int64)]
+    whole = data.store.lengths[stored]
+    if (np.asarray(start) != 0).any() or (np.asarray(length) != whole).any():
+        raise ConfigError("an example with images was split or cut: its image tokens would lose their image",
+                          field="batching.strategy", hint="use batching.strategy bfd (examples whole)")
+    table: ImageTable = data.store.images
+    pixels = table.pixels(stored)
+    grid = torch.from_numpy(pixels.grid) if pixels is not None else torch.zeros((0, 3), dtype=torch.int64)
+    return VisionInputs(None if pixels is None else pixels.pixel_values, grid, [len(table.refs[e]) for e in stored])

@@ -1,0 +1,97 @@
+"""The packed forward of a vision-language model: the vision tower once per batch (its own attention keeps each
+image apart), the image features put in place of the placeholders, M-RoPE positions made for each example as it
+runs alone (``get_rope_index`` of the model), and the language model's varlen attention (``core/model/attention``)
+so examples never see each other. Loss and gradients equal each example run alone through the plain model
+(``tests/test_vision.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from leansft.core.errors import ModelError
+
+
+@dataclass
+class VisionInputs:
+    """A batch's images: the vision tower's input and each image's (t, h, w) patch grid, in the order their
+    placeholders appear; ``images_per_piece``: how many images each packed piece holds."""
+
+    pixel_values: torch.Tensor | None
+    grid: torch.Tensor  # [images, 3] int64
+    images_per_piece: list[int]
+
+    def to(self, device) -> VisionInputs:
+        pv = None if self.pixel_values is None else self.pixel_values.to(device, non_blocking=True)
+        return VisionInputs(pv, self.grid, self.images_per_piece)
+
+    def pin_memory(self) -> VisionInputs:
+        pv = None if self.pixel_values is None else self.pixel_values.pin_memory()
+        return VisionInputs(pv, self.grid, self.images_per_piece)
+
+
+def vision_model(model):
+    """The model's multimodal core (vision tower + language model, no output layer), through PEFT wrappers."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    if inner is None or not hasattr(inner, "get_rope_index") or not hasattr(inner, "get_image_features"):
+        raise ModelError(f"{type(base).__name__} has no multimodal core with get_rope_index/get_image_features")
+    return inner
+
+
+def mm_token_types(inner, input_ids: torch.Tensor) -> torch.Tensor:
+    """1 on image placeholder tokens, 0 elsewhere (what the processor returns as ``mm_token_type_ids``)."""
+    return (input_ids == inner.config.image_token_id).int()
+
+
+def example_positions(inner, input_ids: torch.Tensor, sizes: list[int], vision: VisionInputs) -> torch.Tensor:
+    """[3, 1, T] M-RoPE positions, each piece's computed as if it ran alone."""
+    out, at, img = [], 0, 0
+    types = mm_token_types(inner, input_ids)
+    for size, n in zip(sizes, vision.images_per_piece, strict=True):
+        ids = input_ids[:, at : at + size]
+        grid = vision.grid[img : img + n] if n else None
+        if n:
+            pos, _ = inner.get_rope_index(ids, types[:, at : at + size], image_grid_thw=grid)
+        else:
+            pos = torch.arange(size, device=input_ids.device).view(1, 1, -1).expand(3, 1, -1)
+        out.append(pos)
+        at, img = at + size, img + n
+    return torch.cat(out, dim=2)
+
+
+def image_features(inner, vision: VisionInputs):
+    """The vision tower's output for the batch's images, run without the language model's packing arguments."""
+    if vision.pixel_values is None:
+        return None
+    return inner.get_image_features(vision.pixel_values, vision.grid.to(vision.pixel_values.device), return_dict=True)
+
+
+def packed_vision_forward(model, batch) -> torch.Tensor:
+    """Final hidden states [1, T, H] of a packed batch with images."""
+    from leansft.core.model.attention import PACKED_SAFE, remember_segment_sizes, segment_sizes
+
+    inner = vision_model(model)
+    impl = inner.language_model.config._attn_implementation
+    if impl not in PACKED_SAFE:
+        raise ModelError(f"attention implementation '{impl}' would let packed examples attend to each other")
+    remember_segment_sizes(batch.segment_sizes)
+    sizes = segment_sizes(batch.cu_seqlens)
+    vision = batch.vision
+    features = image_features(inner, vision)
+    out = inner(input_ids=batch.input_ids, position_ids=example_positions(inner, batch.input_ids, sizes, vision),
+                mm_encoder_outputs={"image": features} if features is not None else None,
+                mm_token_type_ids=mm_token_types(inner, batch.input_ids), use_cache=False,
+                cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
+                max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
+    return out.last_hidden_state
+
+
+def keep_vision_tower_plain(model) -> None:
+    """The vision tower back on sdpa after the model was pointed at a packed backend: it separates its images
+    itself (cu_seqlens of its own), and leansft's varlen backends read the language model's boundaries."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base.config, "vision_config", None)
+    if cfg is not None:
+        cfg._attn_implementation = "sdpa"

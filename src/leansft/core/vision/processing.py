@@ -1,0 +1,49 @@
+"""The model's own image processor: pixels and patch grids for a list of images.
+
+``AutoImageProcessor`` gives the torchvision-backed processor where torchvision is installed and the PIL one
+otherwise (the same arithmetic); leansft does not go through ``AutoProcessor`` because Qwen2-VL's demands a video
+processor that needs torchvision. The processor's text side (one placeholder repeated per merged patch) is
+``encode.expand_images``, tested against the model's processor class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from leansft.core.errors import ConfigError, ModelError
+
+
+@dataclass
+class Pixels:
+    pixel_values: torch.Tensor  # [patches, channels * patch area * temporal patch]
+    grid: np.ndarray  # [images, 3]: (t, h, w) patches of each image
+
+
+class ImageProcessing:
+    """``min_pixels``/``max_pixels``: the resolution limits (None: as the model ships them)."""
+
+    def __init__(self, model_path: str, min_pixels: int | None = None, max_pixels: int | None = None) -> None:
+        from transformers import AutoImageProcessor
+
+        if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+            raise ConfigError(f"vision.min_pixels {min_pixels} is above vision.max_pixels {max_pixels}",
+                              field="vision.min_pixels")
+        limits = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(model_path, **limits)
+        except Exception as err:
+            raise ModelError(f"cannot load the model's image processor: {type(err).__name__}: {str(err)[:300]}",
+                             file=model_path, hint="a vision model's folder holds preprocessor_config.json") from None
+
+    @property
+    def limits(self) -> tuple[int, int]:
+        size = self.processor.size
+        return int(size["shortest_edge"]), int(size["longest_edge"])
+
+    def __call__(self, images: list[Image.Image]) -> Pixels:
+        out = self.processor(images=images, return_tensors="pt")
+        return Pixels(out["pixel_values"], out["image_grid_thw"].numpy().astype(np.int64))
