@@ -333,6 +333,19 @@ class LoggingConfig(_Strict):
     peak_flops: float | None = Field(None, gt=0, description="device peak FLOP/s for MFU when not known")
 
 
+class VisionConfig(_Strict):
+    """A vision-language model's images and which of its parts train (docs/vision.md)."""
+
+    min_pixels: int | None = Field(None, gt=0, description="resize smaller images up to this many pixels (null: the "
+                                   "model's image processor's own)")
+    max_pixels: int | None = Field(None, gt=0, description="resize larger images down to this many pixels: fewer "
+                                   "image tokens, less memory (null: the model's own, e.g. Qwen2-VL's 12.8M)")
+    train_vision_tower: bool = Field(False, description="train the vision encoder too (full: its weights; LoRA: "
+                                     "adapters on its linear layers); default frozen, the common recipe")
+    train_projector: bool = Field(False, description="train the projector (vision features -> the language "
+                                  "model's embeddings); default frozen")
+
+
 class CPUConfig(_Strict):
     """CPU-only speed-ups (``core/cpu/``): off by default, never used on an accelerator, the same values either way
     (to fp32 rounding). They were measured on the development hosts' CPUs; users train on GPUs."""
@@ -370,6 +383,7 @@ class RunConfig(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     cpu: CPUConfig = Field(default_factory=CPUConfig)
+    vision: VisionConfig = Field(default_factory=VisionConfig)
 
     @model_validator(mode="after")
     def _context_parallel_packs(self):

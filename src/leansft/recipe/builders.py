@@ -18,7 +18,7 @@ from leansft.core import cpu, distributed
 from leansft.core.batching.collate import collate_packed, collate_padded
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
-from leansft.core.errors import LeanSFTError
+from leansft.core.errors import ConfigError, LeanSFTError
 from leansft.core.model.attention import choose_backend, use_packed_attention, use_plain_attention
 from leansft.core.model.bf16_base import confirm_bf16_base, holds_bf16_base, load_base_in_bf16, store_base_in_bf16
 from leansft.core.model.compile import compile_layers, eager, wants_compile
@@ -35,6 +35,8 @@ from leansft.core.model.loss import PLAIN, HeadPrecision, head_precision_for
 from leansft.core.model.qlora import load_quantised
 from leansft.core.model.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
 from leansft.core.paths import cache_dir
+from leansft.core.vision.family import freeze_untrained, is_vision_model, lora_targets, vision_family
+from leansft.core.vision.verify import verify_vision
 from leansft.recipe.batches import Batcher
 from leansft.recipe.schedule import lr_lambda, warmup_steps
 
@@ -130,10 +132,15 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if t.gradient_checkpointing:
         model.config.use_cache = False
+    family = vision_family(model.config) if is_vision_model(model.config) else None
+    if family is not None and t.method == "full":
+        log.info("vision model: %d parameters of the frozen parts stay as loaded", freeze_untrained(model, family,
+                                                                                                    cfg.vision))
     if t.method in ("lora", "qlora"):
         if t.gradient_checkpointing:
             model.enable_input_require_grads()
-        model = apply_lora(model, t.lora)
+        targets = lora_targets(model, family, cfg.vision, t.lora.target_modules) if family is not None else None
+        model = apply_lora(model, t.lora, targets)
         if t.method == "lora" and low:
             n = load_base_in_bf16(model)
             log.info("frozen base read in bf16: %d linear layers as saved, the rest upcast to fp32", n)
@@ -166,6 +173,13 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int,
     logged), or raise a clear error."""
     check_vocabulary(model, data)
     strategy = cfg.batching.strategy
+    if data.store.images is not None:  # a vision model's data: packed whole examples, checked per example
+        if strategy != "bfd":
+            raise ConfigError(f"batching.strategy {strategy} with images: only bfd (packed, examples whole) is "
+                              "supported yet", field="batching.strategy")
+        if cfg.training.verify != "skip":
+            log.info("vision: %s", verify_vision(model, data, cfg.batching.tokens_per_micro_batch, precision))
+        return strategy
     if cfg.training.verify == "skip":
         log.warning("training.verify is skip: the packed forward and the loss are not checked against the model")
         return strategy

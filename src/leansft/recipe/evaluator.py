@@ -15,6 +15,7 @@ from leansft.core.inference.generation import ChatSettings, generate, generate_g
 from leansft.core.inference.heldout_loss import evaluate
 from leansft.core.model.context_parallel import whole_rows
 from leansft.core.progress import console, phase, plural
+from leansft.core.vision.data import vision_generation_inputs
 from leansft.recipe import suites
 from leansft.recipe.system_prompt import dominant_system_prompt
 
@@ -79,6 +80,12 @@ class Evaluator:
         prompt_lengths = self.prep.eval.prompt_lengths
         # rendered prompts, each ending in the generation prompt
         return [self.prep.eval.example(i)[0][: prompt_lengths[i]].tolist() for i in range(n)]
+
+    def prompt_images(self, prompts: list) -> list[dict] | None:
+        """A vision model's held-out prompts' images, as ``generate`` passes them (None for text)."""
+        if self.prep.images is None or self.cfg.eval.prompts:
+            return None
+        return [vision_generation_inputs(self.model, self.prep.eval, i, p) for i, p in enumerate(prompts)]
 
     def run_eval(self) -> dict:
         with whole_rows(self.model):  # every rank evaluates whole rows (context parallelism splits training's)
@@ -176,7 +183,7 @@ class Evaluator:
                 torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):  # as the run computes
             answers = generate(self.model, self.prep.tokenizer, self.prep.template, prompts,
                                max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
-                               seed=self.cfg.training.seed, settings=self.settings)
+                               seed=self.cfg.training.seed, settings=self.settings, inputs=self.prompt_images(prompts))
         if distributed.rank() == 0:
             with (self.out / "samples.jsonl").open("a") as fh:
                 for p, a in zip(prompts, answers):

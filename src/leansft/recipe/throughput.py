@@ -54,7 +54,8 @@ class ThroughputWindow:
     def __init__(self, model, device: torch.device, peak_flops: float | None, world: int) -> None:
         self.device, self.world = device, world
         self.body_flops, self.head_flops = token_flops(model)
-        self.layers, self.hidden = model.config.num_hidden_layers, model.config.hidden_size
+        text = model.config.get_text_config()  # a vision model: its language model's
+        self.layers, self.hidden = text.num_hidden_layers, text.hidden_size
         self.peak = device_peak_flops(device, peak_flops)
         self._reset()
         if device.type == "cuda":

@@ -189,7 +189,8 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     model_path = model_location(cfg, cache)
     data = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed,
                         truncate=cfg.batching.strategy not in SPLITTING_STRATEGIES,
-                        trust_remote_code=cfg.trust_remote_code, cache_storage=cache)
+                        trust_remote_code=cfg.trust_remote_code, cache_storage=cache, model_spec=model_path,
+                        vision=cfg.vision)
     log_data(data, cfg.data.max_length)
     seed_everything(cfg.training.seed)  # LoRA init and dropout do not depend on what ran before
     model, _ = build_model(cfg, device, cfg.batching.strategy in PACKED_STRATEGIES, model_path)
@@ -381,7 +382,7 @@ def export_final(cfg: RunConfig, model, loss_module, sharded: bool, data: Prepar
         elif holds_bf16_base(plain) and cfg.training.lora.merge_on_export:  # into the fp32 base, not its bf16 copy
             plain = merged_plain_model(plain, model_path, cfg.training.lora, cfg.trust_remote_code)
         with phase(f"exporting {out / 'final'}"):
-            export(plain, data.tokenizer, data.template, out / "final", cfg)
+            export(plain, data.tokenizer, data.template, out / "final", cfg, images=data.images)
 
 
 EXIT_STOPPED = 3  # stopped by SIGINT/SIGTERM after saving a checkpoint (resume with --resume auto)

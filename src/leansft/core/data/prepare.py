@@ -1,7 +1,8 @@
 """The one way data is prepared, for train, doctor, plan, show-mask and eval alike.
 
 tokenizer spec -> tokenizer -> chat template -> tokenised, masked, cleaned dataset (cached; rank 0
-first under torchrun so the cache is built once) -> optional held-out split or eval file.
+first under torchrun so the cache is built once) -> optional held-out split or eval file. A vision model's folder
+(a config with a ``vision_config``) takes its data with images through ``core/vision/data.py``.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from leansft.core import distributed
-from leansft.core.config import DataConfig, SourceConfig
+from leansft.core.config import DataConfig, SourceConfig, VisionConfig
 from leansft.core.data.dataset import PrepReport, TokenizedDataset, build_dataset
 from leansft.core.data.masking import ChatTemplate, resolve_template
 from leansft.core.data.tokenizer import load_tokenizer
 from leansft.core.paths import cache_dir
+from leansft.core.vision.data import prepare_vision, vision_config_of, vision_encoder
+from leansft.core.vision.family import vision_family
+from leansft.core.vision.processing import ImageProcessing
 
 log = logging.getLogger("leansft")
 
@@ -28,6 +32,7 @@ class PreparedData:
     train: TokenizedDataset
     eval: TokenizedDataset | None
     report: PrepReport
+    images: ImageProcessing | None = None  # a vision model's image processor (exported beside the tokenizer)
 
     def summary(self) -> str:
         """One line for the run's log: examples trained and held out, and what cleaning removed or cut."""
@@ -76,16 +81,22 @@ def split_eval(data: TokenizedDataset, fraction: float, seed: int) -> tuple[Toke
 
 def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncate: bool = True,
                  holdout: bool = True, trust_remote_code: bool = False,
-                 cache_storage: distributed.Storage | None = None) -> PreparedData:
+                 cache_storage: distributed.Storage | None = None, model_spec: str | None = None,
+                 vision: VisionConfig | None = None) -> PreparedData:
     """Tokenise ``cfg.sources`` with the tokenizer's (or the configured) template, once per cache folder: by its
     first rank, the others then reading its cache (``cache_storage``: how the ranks share the cache folder, where the
     caller found out already).
 
     ``truncate``: cut examples at ``cfg.max_length`` (False for plans and for strategies that split
     long examples themselves). ``holdout``: set aside ``cfg.eval_file`` or an ``eval_split`` fraction.
+    ``model_spec``: the model, where it is not the tokenizer's folder (a vision model's data is prepared with
+    its image processor, ``vision``'s resolution limits).
     """
     tokenizer = load_tokenizer(tokenizer_spec, trust_remote_code)
     template = resolve_template(tokenizer, cfg.template)
+    config = vision_config_of(model_spec or tokenizer_spec, trust_remote_code)
+    if config is not None:
+        return _prepare_vision(cfg, tokenizer, template, config, model_spec or tokenizer_spec, vision, seed, holdout)
     eval_data = None
     folder = cache_dir(cfg.cache_dir)
     cache = cache_storage or distributed.storage_of(folder)
@@ -105,3 +116,17 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
             log.warning("%d of %d examples of eval_file %s are also in the training data (same conversation): "
                         "their held-out loss is not held out", int(shared.sum()), len(eval_data), cfg.eval_file)
     return PreparedData(tokenizer, template, data, eval_data, report)
+
+
+def _prepare_vision(cfg: DataConfig, tokenizer, template: ChatTemplate, config, model_spec: str,
+                    vision: VisionConfig | None, seed: int, holdout: bool) -> PreparedData:
+    vision = vision or VisionConfig()
+    images = ImageProcessing(model_spec, vision.min_pixels, vision.max_pixels)
+    encoder = vision_encoder(tokenizer, template, vision_family(config), config, cfg)
+    data, report = prepare_vision(cfg, encoder, images)
+    eval_data = None
+    if holdout and cfg.eval_file:
+        eval_data, _ = prepare_vision(cfg, encoder, images, [SourceConfig(path=cfg.eval_file)])
+    elif holdout:
+        data, eval_data = split_eval(data, cfg.eval_split, seed)
+    return PreparedData(tokenizer, template, data, eval_data, report, images)

@@ -56,9 +56,10 @@ class ChatSettings:
 @torch.no_grad()
 def generate(model, tokenizer, template: ChatTemplate, prompts: list, *, max_new_tokens: int = 64,
              temperature: float = 0.7, top_p: float = 0.9, seed: int = 0,
-             settings: ChatSettings | None = None) -> list[str]:
+             settings: ChatSettings | None = None, inputs: list[dict] | None = None) -> list[str]:
     """Answer each prompt: a user string, a message list, or already rendered prompt token ids (ending in
     the generation prompt). ``settings``: the system prompt, tools and template options of the first two.
+    ``inputs``: each prompt's further model inputs (a vision model's ``vision_generation_inputs``).
     Sampling is reproducible for a seed."""
     settings = settings or ChatSettings()
     device = next(model.parameters()).device
@@ -77,6 +78,7 @@ def generate(model, tokenizer, template: ChatTemplate, prompts: list, *, max_new
                 input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                 do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
                 top_p=top_p if temperature > 0 else None, eos_token_id=stops, pad_token_id=pad,
+                **({k: v.to(device) for k, v in inputs[i].items()} if inputs else {}),
             )
             new = gen[0, input_ids.shape[1]:].tolist()
             while new and new[-1] in stops:

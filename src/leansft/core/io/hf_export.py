@@ -35,12 +35,14 @@ def gather_full_weights(sharded_root: torch.nn.Module, plain: torch.nn.Module | 
                          + ", ".join(unmatched + [f"{k} (not trained)" for k in missing])[:400])
 
 
-def export(model, tokenizer, template, folder: Path, cfg, source: str | None = None) -> Path:
+def export(model, tokenizer, template, folder: Path, cfg, source: str | None = None, images=None) -> Path:
     """Write ``folder``: into a fresh temporary folder beside it, then renamed into place (``export_target``), with
     leansft's marker file. The caller decides whether ``folder`` may be replaced (``export_target.check_out``).
     LoRA is merged when ``training.lora.merge_on_export``; else the folder holds the adapters as PEFT saves them
     (``AutoPeftModelForCausalLM`` applies them to the base they name) and a generation_config.json with the
-    template's stop tokens, which PEFT does not read by itself. ``source``: what was exported, for the marker."""
+    template's stop tokens, which PEFT does not read by itself. ``source``: what was exported, for the marker.
+    ``images``: a vision model's image processor (``core/vision/processing.py``), saved beside the tokenizer so
+    ``AutoProcessor`` loads the folder."""
     if hasattr(model, "peft_config") and cfg.training.lora.merge_on_export:
         model = model.merge_and_unload()
     with fresh_folder(folder) as tmp:
@@ -52,6 +54,8 @@ def export(model, tokenizer, template, folder: Path, cfg, source: str | None = N
             model.config._attn_implementation = impl
         tokenizer.chat_template = template.source or None  # no template: none written (not an empty one)
         tokenizer.save_pretrained(tmp)
+        if images is not None:
+            images.processor.save_pretrained(tmp)
         sentencepiece = Path(getattr(tokenizer, "vocab_file", None) or "")
         if sentencepiece.suffix == ".model" and sentencepiece.is_file() and not (tmp / sentencepiece.name).exists():
             shutil.copy(sentencepiece, tmp / sentencepiece.name)  # transformers 5 no longer writes it; converters need it

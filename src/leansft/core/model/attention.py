@@ -376,12 +376,17 @@ def choose_backend(device: torch.device, requested: str = "auto", training: bool
 
 
 def set_attention(model, impl: str) -> None:
-    """Point every attention module of ``model`` (sub-configs included) at implementation ``impl``."""
-    model.config._attn_implementation = impl
+    """Point every attention module of ``model`` (sub-configs included) at implementation ``impl``. A vision
+    tower keeps its own (sdpa): it separates its images itself, and packing concerns the language model."""
+    vision = getattr(model.config, "vision_config", None)
+    tower = vision._attn_implementation if vision is not None else None
+    model.config._attn_implementation = impl  # a composite config passes it on to its sub-configs
     for sub in model.modules():
         cfg = getattr(sub, "config", None)
-        if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
+        if cfg is not None and cfg is not model.config and cfg is not vision and hasattr(cfg, "_attn_implementation"):
             cfg._attn_implementation = impl
+    if vision is not None:
+        vision._attn_implementation = tower
 
 
 def use_packed_attention(model, backend: str) -> None:

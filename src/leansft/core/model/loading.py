@@ -22,6 +22,7 @@ from leansft.core.errors import ModelError
 from leansft.core.gguf.read import complete_from_gguf
 from leansft.core.paths import HUB_HINT, default_cache_dir, hub_unreachable, resolve_package_path
 from leansft.core.progress import phase
+from leansft.core.vision.family import is_vision_model
 
 log = logging.getLogger("leansft")
 
@@ -110,23 +111,26 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: Path | 
     place = {"device_map": {"": str(device)}} if device is not None else {}
     try:
         with phase(f"loading {spec} ({str(dtype).removeprefix('torch.')})"):
-            return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype,
-                                                        local_files_only=path.exists() or hub_unreachable(),
-                                                        trust_remote_code=trust_remote_code, **place)
+            auto = AutoModelForCausalLM
+            if path.is_dir() and is_vision_model(load_model_config(spec, trust_remote_code)):
+                from transformers import AutoModelForImageTextToText as auto  # vision tower + language model
+            return auto.from_pretrained(spec, dtype=dtype, local_files_only=path.exists() or hub_unreachable(),
+                                        trust_remote_code=trust_remote_code, **place)
     except Exception as err:
         where = "local model" if path.exists() else "model (no local path of that name; tried the Hub)"
         raise ModelError(f"cannot load {where}: {type(err).__name__}: {str(err)[:300]}", file=spec,
                          hint=None if path.exists() else HUB_HINT) from None
 
 
-def apply_lora(model, lora_cfg):
+def apply_lora(model, lora_cfg, targets: list[str] | None = None):
     """Wrap ``model`` with peft LoRA adapters (DoRA, rsLoRA, the init and modules_to_save as configured);
-    only the adapters (and modules_to_save) train."""
+    only the adapters (and modules_to_save) train. ``targets``: the adapted layers' full names, where not
+    ``lora_cfg.target_modules`` as peft reads it (a vision model's language model alone)."""
     from peft import LoraConfig, get_peft_model
 
     init = True if lora_cfg.init == "default" else lora_cfg.init
     cfg = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                     target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM", use_dora=lora_cfg.use_dora,
+                     target_modules=targets if targets is not None else lora_cfg.target_modules, task_type="CAUSAL_LM", use_dora=lora_cfg.use_dora,
                      use_rslora=lora_cfg.use_rslora, init_lora_weights=init,
                      modules_to_save=lora_cfg.modules_to_save or None)
     try:

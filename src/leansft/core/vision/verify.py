@@ -1,0 +1,65 @@
+"""Before step 1 of a vision run: the packed loss of a few examples (images included) against each example run
+alone through the plain model, as transformers runs it (its own attention, positions and image placement)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from leansft.core.batching.collate import collate_packed
+from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.data.masking import IGNORE_INDEX
+from leansft.core.errors import ModelError
+from leansft.core.model.attention import plain_attention
+from leansft.core.model.loss import PLAIN, HeadPrecision
+from leansft.core.vision.data import vision_inputs
+from leansft.core.vision.forward import mm_token_types, vision_model
+
+TOLERANCE = 1e-4  # relative, on the summed loss in fp32 (the packed and plain runs differ by rounding alone)
+
+
+def probe_examples(data: TokenizedDataset, tokens: int, most: int = 4) -> np.ndarray:
+    """Up to ``most`` examples that fit one micro-batch together, those with the most images first."""
+    images = np.array([len(data.store.images.refs[e]) for e in data.index])
+    order = np.argsort(-images, kind="stable")
+    picked, used = [], 0
+    for i in order[: most * 4]:
+        if used + data.lengths[i] <= tokens and len(picked) < most:
+            picked.append(int(i))
+            used += int(data.lengths[i])
+    return np.sort(np.asarray(picked, np.int64))
+
+
+def plain_loss(model, data: TokenizedDataset, i: int, device) -> torch.Tensor:
+    """Summed loss of example ``i`` alone, through the model's own forward (``labels``: its mean, rescaled)."""
+    ids, labels = data.example(i)
+    vision = vision_inputs(data, [i], [0], [len(ids)])
+    input_ids = torch.as_tensor(ids, dtype=torch.long, device=device)[None]
+    lab = torch.as_tensor(labels, dtype=torch.long, device=device)[None]
+    extra = {}
+    if vision.pixel_values is not None:
+        extra = {"pixel_values": vision.pixel_values.to(device), "image_grid_thw": vision.grid.to(device)}
+    with plain_attention(model):
+        out = model(input_ids=input_ids, labels=lab, use_cache=False,
+                    mm_token_type_ids=mm_token_types(vision_model(model), input_ids), **extra)
+    return out.loss.float() * (lab[:, 1:] != IGNORE_INDEX).sum()
+
+
+@torch.no_grad()
+def verify_vision(model, data: TokenizedDataset, tokens: int, precision: HeadPrecision = PLAIN) -> str:
+    """A line saying what was checked; a ``ModelError`` where the packed loss is not the per-example one."""
+    from leansft.core.model.forward import LossModule
+
+    picked = probe_examples(data, tokens)
+    device = next(model.parameters()).device
+    batch = collate_packed(data, picked, np.zeros(len(picked), np.int64), data.lengths[picked]).to(device)
+    packed = float(LossModule(model, precision=precision)(batch))
+    alone = float(sum(plain_loss(model, data, int(i), device) for i in picked))
+    gap = abs(packed - alone) / max(abs(alone), 1e-12)
+    images = sum(len(data.store.images.refs[data.index[i]]) for i in picked)
+    if gap > TOLERANCE:
+        raise ModelError(f"packed examples with images give a loss {packed:.6g}, each alone {alone:.6g} (relative gap "
+                         f"{gap:.2e}): packing is not exact for this model", field="batching.strategy",
+                         hint="report it; training.verify: skip trains anyway")
+    return (f"{len(picked)} packed examples with {images} images: loss {packed:.6g} = each alone {alone:.6g} "
+            f"(relative gap {gap:.1e})")

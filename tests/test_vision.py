@@ -1,0 +1,252 @@
+"""Vision-language SFT (docs/vision.md), judged against the model's own processor and the plain transformers model.
+
+One tiny Qwen2-VL (examples/vision/make_demo.py: Qwen2-VL's architecture and published template, random weights,
+Qwen's tokenizer from a registry package) and its generated pictures serve every test here.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from leansft.core.batching.collate import collate_packed
+from leansft.core.config import DataConfig
+from leansft.core.data.formats import convert_row
+from leansft.core.data.masking import IGNORE_INDEX, resolve_template
+from leansft.core.errors import DataError, ModelError
+from leansft.core.model.attention import use_packed_attention
+from leansft.core.model.forward import LossModule
+from leansft.core.vision.data import prepare_vision, vision_encoder
+from leansft.core.vision.family import vision_family
+from leansft.core.vision.processing import ImageProcessing
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _demo():
+    spec = importlib.util.spec_from_file_location("vision_demo", ROOT / "examples" / "vision" / "make_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    """The demo's model and data, made once (5 s)."""
+    out = tmp_path_factory.mktemp("vision")
+    make = _demo()
+    make.make_data(out / "data", n_train=48, n_eval=8)
+    make.make_model(out / "model")
+    return out
+
+
+@pytest.fixture(scope="module")
+def parts(demo):
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo / "model")
+    model = AutoModelForImageTextToText.from_pretrained(demo / "model", dtype=torch.float32)
+    return tok, model
+
+
+def reference_processor(folder: Path, tok):
+    """Qwen2-VL's own processor class, with its image processor and tokenizer: its ``__call__`` expands the
+    placeholders. (Its constructor asks for a video processor, which needs torchvision, not installed here.)"""
+    from transformers import AutoImageProcessor
+    from transformers.models.qwen2_vl import Qwen2VLProcessor
+
+    p = object.__new__(Qwen2VLProcessor)
+    p.image_processor, p.tokenizer, p.video_processor, p.chat_template = (
+        AutoImageProcessor.from_pretrained(folder), tok, None, None)
+    p.image_token, p.video_token = "<|image_pad|>", "<|video_pad|>"
+    p.image_token_id, p.video_token_id = tok.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+    return p
+
+
+ROWS = [  # one picture in a part; two pictures beside <image> placeholders; none
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"}, {"type": "text",
+                                                                                       "text": "Colour?"}]},
+                  {"role": "assistant", "content": "Red."}]},
+    {"messages": [{"role": "user", "content": "<image><image>Which two?"},
+                  {"role": "assistant", "content": "Blue, then red."},
+                  {"role": "user", "content": "And the first?"}, {"role": "assistant", "content": "Blue."}],
+     "images": ["blue.png", "red.png"]},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+]
+AS_PARTS = [[{"type": "image"}, {"type": "text", "text": "Colour?"}],
+            [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which two?"}], "Hi"]
+IMAGES = [["red.png"], ["blue.png", "red.png"], []]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("rows")
+    Image.new("RGB", (100, 60), (255, 0, 0)).save(d / "red.png")
+    Image.new("RGB", (57, 90), (0, 0, 255)).save(d / "blue.png")
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return d / "train.jsonl"
+
+
+def prepared(demo, parts, path: Path, **data):
+    tok, model = parts
+    cfg = DataConfig(sources=[str(path)], max_length=512, **data)
+    encoder = vision_encoder(tok, resolve_template(tok, None), vision_family(model.config), model.config, cfg)
+    return prepare_vision(cfg, encoder, ImageProcessing(str(demo / "model")))
+
+
+def test_image_forms_agree():
+    """Parts with their files, OpenAI's image_url, bare parts or <image> beside an images column: one form."""
+    text = {"type": "text", "text": "Colour?"}
+    forms = [
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, text]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}, text]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image"}, text]}], "images": ["a.png"]},
+        {"conversations": [{"from": "human", "value": "<image>Colour?"}], "images": ["a.png"]},
+    ]
+    for row in forms:
+        row[next(iter(row))].append({"role": "assistant", "content": "Red."} if "messages" in row
+                                    else {"from": "gpt", "value": "Red."})
+        fmt = "sharegpt" if "conversations" in row else "messages"
+        conv = convert_row(row, fmt, "f.jsonl", 1, images=True)
+        assert conv.images == ["a.png"] and conv.messages[0]["content"] == [{"type": "image"}, text], row
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"messages": [{"role": "user", "content": "<image><image>Two?"}, {"role": "assistant", "content": "A."}],
+      "images": ["a.png"]}, "2 image placeholders (<image> or an image part without its file) but 1 image"),
+    ({"messages": [{"role": "user", "content": "Draw"}, {"role": "assistant", "content": [
+        {"type": "image", "image": "a.png"}]}]}, "only user messages may hold images"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "?"}]},
+                   {"role": "assistant", "content": "A."}], "images": ["b.png"]}, "use one form per row"),
+])
+def test_image_counts_and_places_refused(row, needle):
+    with pytest.raises(DataError, match="row 1") as err:
+        convert_row(row, "messages", "f.jsonl", 1, images=True)
+    assert needle in str(err.value)
+
+
+def test_images_refused_for_a_text_model():
+    row = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}],
+           "images": ["a.png"]}
+    with pytest.raises(DataError, match="trains on text alone"):
+        convert_row(row, "messages", "f.jsonl", 1)
+
+
+def test_unsupported_vision_architecture_refused_by_name():
+    with pytest.raises(ModelError, match="'gemma3' is not supported yet .*Qwen2-VL"):
+        vision_family(SimpleNamespace(model_type="gemma3", vision_config=object()))
+
+
+def test_ids_equal_the_processor_and_no_image_token_carries_loss(demo, parts, rows):
+    """The ids of each example equal Qwen2-VL's processor on the template's rendering; labels only on answers."""
+    tok, _ = parts
+    data, report = prepared(demo, parts, rows)
+    assert len(data) == 3 and report.sources[0]["images"] == 3
+    processor = reference_processor(demo / "model", tok)
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    for i, row in enumerate(ROWS):
+        messages = copy.deepcopy(row["messages"])
+        messages[0]["content"] = AS_PARTS[i]
+        text = tok.apply_chat_template(messages, tokenize=False)
+        images = [Image.open(rows.parent / name).convert("RGB") for name in IMAGES[i]]
+        ref = processor(text=[text], images=images or None, return_tensors="pt")["input_ids"][0].numpy()
+        ids, labels = data.example(i)
+        assert np.array_equal(ids, ref), i
+        assert (labels[ids == image_id] == IGNORE_INDEX).all()
+        trained = tok.decode(ids[labels != IGNORE_INDEX])
+        answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert trained == "".join(a + "<|im_end|>" for a in answers)
+
+
+def test_packed_loss_and_gradients_equal_each_example_alone(demo, parts, rows):
+    """Three examples (one image, two images, none) in one packed row: loss and every gradient equal the plain
+    transformers model run on each example alone (fp32)."""
+    tok, plain = parts
+    data, _ = prepared(demo, parts, rows)
+    batch = collate_packed(data, np.arange(3), np.zeros(3, np.int64), data.lengths)
+    model = copy.deepcopy(plain)
+    use_packed_attention(model, "leansft_sdpa_varlen")
+    packed = LossModule(model)(batch)
+    packed.backward()
+    reference = copy.deepcopy(plain)
+    from leansft.core.vision.verify import plain_loss
+
+    alone = sum(plain_loss(reference, data, i, torch.device("cpu")) for i in range(3))
+    alone.backward()
+    assert abs(float(packed) - float(alone)) <= 1e-5 * abs(float(alone))
+    grads = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-5 * float(p.grad.abs().max()))
+
+
+def test_bad_images_are_one_line_each_or_skipped(demo, parts, tmp_path):
+    good = Image.new("RGB", (40, 40), (0, 255, 0))
+    good.save(tmp_path / "ok.png")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "ok.png").read_bytes()[:60])  # truncated
+    (tmp_path / "junk.png").write_text("not an image")
+
+    def row(name):
+        return {"messages": [{"role": "user", "content": [{"type": "image", "image": name}, {"type": "text",
+                                                                                            "text": "?"}]},
+                             {"role": "assistant", "content": "Green."}]}
+
+    for i, (name, needle) in enumerate([("missing.png", "not found"), ("cut.png", "cannot be read"),
+                                        ("junk.png", "cannot be read"), ("http://x/a.png", "downloads nothing")]):
+        path = tmp_path / f"bad{i}.jsonl"
+        path.write_text(json.dumps(row("ok.png")) + "\n" + json.dumps(row(name)) + "\n")
+        with pytest.raises(DataError, match=f"row 2: field 'images': image .*{needle}"):
+            prepared(demo, parts, path)
+    data, report = prepared(demo, parts, tmp_path / "bad1.jsonl", on_bad_row="skip")
+    assert len(data) == 1 and report.sources[0]["bad_rows"] == 1
+
+
+def test_train_resume_export_generate(demo, tmp_path):
+    """Through the CLI: LoRA on the language model lowers the held-out loss; a resumed run continues exactly; the
+    exported folder loads with transformers alone and answers about a picture."""
+    from test_cli import run_cli
+
+    config = tmp_path / "vision.yaml"
+    config.write_text((ROOT / "examples" / "vision.yaml").read_text().replace("runs/vision-demo", str(demo)))
+    common = ["training.method=lora", "training.lora.r=8", "training.learning_rate=1e-2", "training.max_steps=12",
+              "checkpoint.save_every=6", "eval.eval_every=12", "eval.num_samples=0", "eval.suites=[]"]
+    r = run_cli("train", str(config), f"output_dir={tmp_path / 'a'}", *common)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    evals = [x["eval_loss"] for x in log if "eval_loss" in x]
+    assert evals[-1] < evals[0] - 0.5
+    # resume: the run as it stood at step 6 (a copy, its later checkpoints and final/ gone), continued
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "final")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-12")
+    r = run_cli("train", str(config), f"output_dir={tmp_path / 'b'}", *common, "--resume", "auto")
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = {x["step"]: x["loss"] for x in log if "loss" in x}
+    resumed = {x["step"]: x["loss"] for x in map(json.loads, (tmp_path / "b" / "metrics.jsonl").read_text().splitlines())
+               if "loss" in x}
+    assert resumed == first
+    # the export: transformers alone
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    final = tmp_path / "a" / "final"
+    model = AutoModelForImageTextToText.from_pretrained(final)
+    tok, images = AutoTokenizer.from_pretrained(final), AutoImageProcessor.from_pretrained(final)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                      "text": "Colour?"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    pixels = images(images=[Image.new("RGB", (64, 64), (220, 30, 30))], return_tensors="pt")
+    n = int(pixels["image_grid_thw"].prod()) // 4
+    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), return_tensors="pt")["input_ids"]
+    out = model.generate(input_ids=ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                         mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=4,
+                         do_sample=False)
+    assert out.shape[1] > ids.shape[1]
