@@ -25,9 +25,9 @@ from leansft.core.data.masking import IGNORE_INDEX, resolve_template
 from leansft.core.errors import DataError, ModelError
 from leansft.core.model.attention import use_packed_attention
 from leansft.core.model.forward import LossModule
-from leansft.core.vision.data import prepare_vision, vision_encoder
-from leansft.core.vision.family import vision_family
-from leansft.core.vision.processing import ImageProcessing
+from leansft.core.data.vision.family import vision_family
+from leansft.core.data.vision.prepare import prepare_vision, vision_encoder
+from leansft.core.data.vision.processing import ImageProcessing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,7 +178,7 @@ def test_packed_loss_and_gradients_equal_each_example_alone(demo, parts, rows):
     packed = LossModule(model)(batch)
     packed.backward()
     reference = copy.deepcopy(plain)
-    from leansft.core.vision.verify import plain_loss
+    from leansft.core.model.vision_verify import plain_loss
 
     alone = sum(plain_loss(reference, data, i, torch.device("cpu")) for i in range(3))
     alone.backward()

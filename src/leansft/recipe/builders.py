@@ -18,6 +18,7 @@ from leansft.core import cpu, distributed
 from leansft.core.batching.collate import collate_packed, collate_padded
 from leansft.core.config import PACKED_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.data.vision.family import is_vision_model, vision_family
 from leansft.core.errors import ConfigError, LeanSFTError
 from leansft.core.model.attention import choose_backend, use_packed_attention, use_plain_attention
 from leansft.core.model.bf16_base import confirm_bf16_base, holds_bf16_base, load_base_in_bf16, store_base_in_bf16
@@ -34,9 +35,9 @@ from leansft.core.model.loading import (
 from leansft.core.model.loss import PLAIN, HeadPrecision, head_precision_for
 from leansft.core.model.qlora import load_quantised
 from leansft.core.model.verify import check_vocabulary, choose_strategy, probe_segments, verify_model
+from leansft.core.model.vision_parts import freeze_untrained, lora_targets
+from leansft.core.model.vision_verify import verify_vision
 from leansft.core.paths import cache_dir
-from leansft.core.vision.family import freeze_untrained, is_vision_model, lora_targets, vision_family
-from leansft.core.vision.verify import verify_vision
 from leansft.recipe.batches import Batcher
 from leansft.recipe.schedule import lr_lambda, warmup_steps
 

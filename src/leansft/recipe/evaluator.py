@@ -15,7 +15,7 @@ from leansft.core.inference.generation import ChatSettings, generate, generate_g
 from leansft.core.inference.heldout_loss import evaluate
 from leansft.core.model.context_parallel import whole_rows
 from leansft.core.progress import console, phase, plural
-from leansft.core.vision.data import vision_generation_inputs
+from leansft.core.model.vision_forward import vision_generation_inputs
 from leansft.recipe import suites
 from leansft.recipe.system_prompt import dominant_system_prompt
 

@@ -19,8 +19,7 @@ from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ConfigError
 from leansft.core.host_read import HostRead
-from leansft.core.vision.data import vision_inputs
-from leansft.core.vision.forward import VisionInputs
+from leansft.core.batching.vision import VisionInputs, vision_inputs
 
 
 class _Targets:

@@ -17,10 +17,10 @@ from leansft.core.config import DataConfig, SourceConfig, VisionConfig
 from leansft.core.data.dataset import PrepReport, TokenizedDataset, build_dataset
 from leansft.core.data.masking import ChatTemplate, resolve_template
 from leansft.core.data.tokenizer import load_tokenizer
+from leansft.core.data.vision.family import vision_family
+from leansft.core.data.vision.prepare import prepare_vision, vision_config_of, vision_encoder
+from leansft.core.data.vision.processing import ImageProcessing
 from leansft.core.paths import cache_dir
-from leansft.core.vision.data import prepare_vision, vision_config_of, vision_encoder
-from leansft.core.vision.family import vision_family
-from leansft.core.vision.processing import ImageProcessing
 
 log = logging.getLogger("leansft")
 

@@ -10,7 +10,7 @@ from leansft.core.model.attention import decoder_of, packed_forward
 from leansft.core.model.head import read_output_head
 from leansft.core.model.loss import PLAIN, HeadPrecision, chunked_loss, liger_loss
 from leansft.core.model.rope import batch_lengths, per_example_rope
-from leansft.core.vision.forward import packed_vision_forward
+from leansft.core.model.vision_forward import packed_vision_forward
 
 
 def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:

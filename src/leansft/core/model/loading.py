@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from leansft.core.data.vision.family import is_vision_model
 from leansft.core.errors import ModelError
 from leansft.core.gguf.read import complete_from_gguf
 from leansft.core.paths import HUB_HINT, default_cache_dir, hub_unreachable, resolve_package_path
 from leansft.core.progress import phase
-from leansft.core.vision.family import is_vision_model
 
 log = logging.getLogger("leansft")
 

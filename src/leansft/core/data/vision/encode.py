@@ -11,7 +11,7 @@ import numpy as np
 
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, Encoded
 from leansft.core.errors import DataError, TemplateError
-from leansft.core.vision.family import VisionFamily
+from leansft.core.data.vision.family import VisionFamily
 
 
 @dataclass

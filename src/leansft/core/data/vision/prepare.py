@@ -15,19 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from leansft.core.config import DataConfig, SourceConfig
-from leansft.core.data.dataset import PrepReport, TokenizedDataset, TokenStore
+from leansft.core.data.dataset import PrepReport, TokenizedDataset
 from leansft.core.data.formats import convert_row, detect_format, map_columns
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 from leansft.core.data.sources import parse_row, read_raw_rows
-from leansft.core.errors import ConfigError, DataError, LeanSFTError
-from leansft.core.vision.encode import VisionEncoder
-from leansft.core.vision.family import VisionFamily
-from leansft.core.vision.forward import VisionInputs
-from leansft.core.vision.images import open_image
-from leansft.core.vision.processing import ImageProcessing, Pixels
+from leansft.core.errors import ConfigError, DataError, LeanSFTError, ModelError
+from leansft.core.data.vision.encode import VisionEncoder
+from leansft.core.data.vision.family import VisionFamily
+from leansft.core.data.vision.images import open_image
+from leansft.core.data.vision.processing import ImageProcessing, Pixels
 
 log = logging.getLogger("leansft")
 
@@ -150,7 +148,7 @@ def _dataset(ids: list[np.ndarray], labels: list[np.ndarray], rows: list[int], h
 
 
 def vision_encoder(tokenizer, template: ChatTemplate, family: VisionFamily, config, cfg: DataConfig) -> VisionEncoder:
-    from leansft.core.vision.family import merge_size
+    from leansft.core.data.vision.family import merge_size
 
     text = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn, cfg.special_tokens_in_content)
     image_id = tokenizer.convert_tokens_to_ids(family.image_token)
@@ -163,37 +161,16 @@ def vision_encoder(tokenizer, template: ChatTemplate, family: VisionFamily, conf
     return VisionEncoder(text, family, int(image_id), merge_size(config))
 
 
-def vision_inputs(data: TokenizedDataset, example, start, length) -> VisionInputs:
-    """The images of a packed batch's pieces (example index, first token, token count): whole examples only."""
-    stored = data.index[np.asarray(example, np.int64)]
-    whole = data.store.lengths[stored]
-    if (np.asarray(start) != 0).any() or (np.asarray(length) != whole).any():
-        raise ConfigError("an example with images was split or cut: its image tokens would lose their image",
-                          field="batching.strategy", hint="use batching.strategy bfd (examples whole)")
-    table: ImageTable = data.store.images
-    pixels = table.pixels(stored)
-    grid = torch.from_numpy(pixels.grid) if pixels is not None else torch.zeros((0, 3), dtype=torch.int64)
-    return VisionInputs(None if pixels is None else pixels.pixel_values, grid, [len(table.refs[e]) for e in stored])
-
-
 def vision_config_of(spec: str, trust_remote_code: bool = False):
     """The model config at ``spec`` where it is a local model folder of a vision model, else None."""
-    from leansft.core.model.loading import load_model_config
-    from leansft.core.vision.family import is_vision_model
+    from transformers import AutoConfig
 
-    if not (Path(spec) / "config.json").is_file():
+    from leansft.core.data.vision.family import is_vision_model
+
+    if not (Path(spec) / "config.json").is_file() or "vision_config" not in (Path(spec) / "config.json").read_text():
         return None
-    config = load_model_config(spec, trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    except Exception as err:
+        raise ModelError(f"cannot load model config: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
     return config if is_vision_model(config) else None
-
-
-def vision_generation_inputs(model, data: TokenizedDataset, i: int, prompt: list[int]) -> dict:
-    """What ``model.generate`` needs besides the ids to answer example ``i``'s prompt about its images."""
-    from leansft.core.vision.forward import mm_token_types, vision_model
-
-    vision = vision_inputs(data, [i], [0], [int(data.lengths[i])])
-    ids = torch.as_tensor([prompt], dtype=torch.long)
-    out = {"mm_token_type_ids": mm_token_types(vision_model(model), ids)}
-    if vision.pixel_values is not None:
-        out.update(pixel_values=vision.pixel_values, image_grid_thw=vision.grid)
-    return out

@@ -12,8 +12,8 @@ from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ModelError
 from leansft.core.model.attention import plain_attention
 from leansft.core.model.loss import PLAIN, HeadPrecision
-from leansft.core.vision.data import vision_inputs
-from leansft.core.vision.forward import mm_token_types, vision_model
+from leansft.core.batching.vision import vision_inputs
+from leansft.core.model.vision_forward import mm_token_types, vision_model
 
 TOLERANCE = 1e-4  # relative, on the summed loss in fp32 (the packed and plain runs differ by rounding alone)
 

@@ -6,29 +6,11 @@ so examples never see each other. Loss and gradients equal each example run alon
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from leansft.core.batching.vision import VisionInputs, vision_inputs
+from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import ModelError
-
-
-@dataclass
-class VisionInputs:
-    """A batch's images: the vision tower's input and each image's (t, h, w) patch grid, in the order their
-    placeholders appear; ``images_per_piece``: how many images each packed piece holds."""
-
-    pixel_values: torch.Tensor | None
-    grid: torch.Tensor  # [images, 3] int64
-    images_per_piece: list[int]
-
-    def to(self, device) -> VisionInputs:
-        pv = None if self.pixel_values is None else self.pixel_values.to(device, non_blocking=True)
-        return VisionInputs(pv, self.grid, self.images_per_piece)
-
-    def pin_memory(self) -> VisionInputs:
-        pv = None if self.pixel_values is None else self.pixel_values.pin_memory()
-        return VisionInputs(pv, self.grid, self.images_per_piece)
 
 
 def vision_model(model):
@@ -86,3 +68,13 @@ def packed_vision_forward(model, batch) -> torch.Tensor:
                 cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
                 max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
     return out.last_hidden_state
+
+
+def vision_generation_inputs(model, data: TokenizedDataset, i: int, prompt: list[int]) -> dict:
+    """What ``model.generate`` needs besides the ids to answer example ``i``'s prompt about its images."""
+    vision = vision_inputs(data, [i], [0], [int(data.lengths[i])])
+    ids = torch.as_tensor([prompt], dtype=torch.long)
+    out = {"mm_token_type_ids": mm_token_types(vision_model(model), ids)}
+    if vision.pixel_values is not None:
+        out.update(pixel_values=vision.pixel_values, image_grid_thw=vision.grid)
+    return out
