@@ -250,3 +250,15 @@ def test_train_resume_export_generate(demo, tmp_path):
                          mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=4,
                          do_sample=False)
     assert out.shape[1] > ids.shape[1]
+
+
+def test_plan_counts_image_tokens_and_the_tower(demo, capsys):
+    from leansft.tools.cli import main
+
+    model = str(demo / "model")
+    assert main(["plan", "--data", str(demo / "data" / "train.jsonl"), "--tokenizer", model, "--model", model,
+                 "--max-length", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "images: 48 in 48 examples" in out and "none carry loss" in out and "vision_tower" in out
+    assert main(["show-mask", "--data", str(demo / "data" / "train.jsonl"), "--tokenizer", model, "-n", "1"]) == 0
+    assert "<|image_pad|>" in capsys.readouterr().out

@@ -163,6 +163,8 @@ def cmd_plan(args) -> int:
     summary = plan_summary(data.lengths, data.target_counts, max_length, args.batch_size, args.window, args.seed,
                            tokens_per_micro_batch=micro)
     summary["preparation"] = prep.report.as_dict()
+    if data.store.images is not None:
+        summary["images"] = data.store.images.summary(data.index)
     if args.model:
         summary["memory"] = _memory(args, micro)
     print_plan(summary)

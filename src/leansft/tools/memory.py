@@ -17,6 +17,21 @@ from typing import Literal
 from leansft.core.config import Method
 
 
+def vision_tower_params(config) -> int:
+    """Parameters of a vision model's tower and projector, counted on a model built on the meta device (no memory);
+    0 for a text model."""
+    if getattr(config, "vision_config", None) is None:
+        return 0
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    base = getattr(model, "model", model)
+    tower = getattr(base, "visual", None) or getattr(base, "vision_tower", None)
+    return sum(p.numel() for p in tower.parameters()) if tower is not None else 0
+
+
 @dataclass
 class ModelShape:
     hidden: int
@@ -26,15 +41,18 @@ class ModelShape:
     intermediate: int
     vocab: int
     tied: bool
+    vision_params: int = 0  # a vision model's tower and projector (frozen by default: weights only)
 
     @classmethod
-    def from_config(cls, cfg) -> ModelShape:
+    def from_config(cls, config) -> ModelShape:
+        cfg = config.get_text_config()  # a vision model: its language model
         heads = cfg.num_attention_heads
         return cls(
             hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             intermediate=getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
             vocab=cfg.vocab_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            vision_params=vision_tower_params(config),
         )
 
     @property
@@ -115,6 +133,8 @@ def estimate_memory(
     logits = chunked_logits if chunked_loss else full_logits
     parts = {"weights": weights, **quantised, "weight_casts": casts, "gradients": grads, "optimizer": optimizer,
              "activations": activations, "logits": logits}
+    if shape.vision_params:
+        parts["vision_tower"] = shape.vision_params * 4  # fp32 weights, frozen (its activations are not kept)
     return {
         "params": p,
         "trainable_params": trainable,

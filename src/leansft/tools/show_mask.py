@@ -42,7 +42,8 @@ def example_kinds(tokenizer, template: ChatTemplate, cfg: DataConfig, data: Toke
                 fmt = detect_format(row, src.path, number)
             if number not in wanted:
                 continue
-            for ids, _, k in encoder.explain(convert_row(row, fmt, src.path, number)):
+            conv = convert_row(row, fmt, src.path, number, images=data.store.images is not None)
+            for ids, _, k in encoder.explain(conv):  # (with images: no match, their tokens expanded since)
                 for i in wanted[number]:
                     if np.array_equal(data.example(i)[0], ids):
                         kinds[i] = k

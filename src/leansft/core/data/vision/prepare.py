@@ -38,6 +38,23 @@ class ImageTable:
     base: list[Path]
     grids: list[np.ndarray]  # [images, 3] each
     processing: ImageProcessing
+    lengths: np.ndarray | None = None  # each example's tokens
+
+    def summary(self, examples: np.ndarray) -> dict:
+        """Images, their tokens and sizes over ``examples`` (stored indices): what ``leansft plan`` prints."""
+        grids = [self.grids[e] for e in examples if len(self.grids[e])]
+        grid = np.concatenate(grids) if grids else np.zeros((0, 3), np.int64)
+        merge = int(getattr(self.processing.processor, "merge_size", 1) or 1)
+        patch = int(getattr(self.processing.processor, "patch_size", 1) or 1)
+        tokens = grid.prod(axis=1) // (merge * merge)
+        total = int(sum(self.lengths[e] for e in examples)) if self.lengths is not None else 0
+        low, high = self.processing.limits
+        return {"images": len(grid), "examples_with_images": len(grids), "image_tokens": int(tokens.sum()),
+                "image_token_share": float(tokens.sum() / total) if total else 0.0,
+                "tokens_per_image_mean": float(tokens.mean()) if len(tokens) else 0.0,
+                "tokens_per_image_max": int(tokens.max()) if len(tokens) else 0,
+                "pixels_per_image_max": int((grid[:, 1] * grid[:, 2]).max() * patch * patch) if len(grid) else 0,
+                "min_pixels": low, "max_pixels": high}
 
     def pixels(self, examples: np.ndarray) -> Pixels | None:
         """The vision tower's input for the images of ``examples`` (stored indices), in order; None without any."""
@@ -134,7 +151,7 @@ def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImagePro
                         f"{report.duplicates_removed} duplicates, {sum(s['bad_rows'] for s in report.sources)} bad",
                         field="data.sources")
     report.examples = len(ids)
-    return _dataset(ids, labels, rows, hashes, ImageTable(refs, bases, grids, processing)), report
+    return _dataset(ids, labels, rows, hashes, ImageTable(refs, bases, grids, processing, np.array([len(i) for i in ids]))), report
 
 
 def _dataset(ids: list[np.ndarray], labels: list[np.ndarray], rows: list[int], hashes: list[int],
