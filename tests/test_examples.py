@@ -31,8 +31,12 @@ def test_every_example_says_what_it_is_in_its_first_line():
         assert path.read_text().startswith("# "), path.name
 
 
+# vision.yaml trains on what examples/vision/make_demo.py makes first: test_vision.py makes it and trains that config
+AS_SHIPPED = [p for p in EXAMPLES if p.name != "vision.yaml"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+@pytest.mark.parametrize("path", AS_SHIPPED, ids=[p.stem for p in AS_SHIPPED])
 def test_each_example_trains_one_step_as_shipped(path, tmp_path, cache):
     cfg = load_config(str(path), [*SMALL, f"output_dir={tmp_path / 'run'}", f"data.cache_dir={cache}"])
     assert train(cfg)["step"] == 1

@@ -49,22 +49,36 @@ def demo(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def parts(demo):
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def arch(request, demo, tmp_path_factory) -> Path:
+    """A supported architecture's tiny model folder (Qwen2-VL's is the demo's)."""
+    if request.param == "qwen2_vl":
+        return demo / "model"
+    folder = tmp_path_factory.mktemp(request.param)
+    _demo().make_model(folder, arch=request.param)
+    return folder
+
+
+def load(folder: Path):
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(demo / "model")
-    model = AutoModelForImageTextToText.from_pretrained(demo / "model", dtype=torch.float32)
-    return tok, model
+    return AutoTokenizer.from_pretrained(folder), AutoModelForImageTextToText.from_pretrained(folder,
+                                                                                               dtype=torch.float32)
 
 
-def reference_processor(folder: Path, tok):
-    """Qwen2-VL's own processor class, with its image processor and tokenizer: its ``__call__`` expands the
+@pytest.fixture(scope="module")
+def parts(demo):
+    return load(demo / "model")
+
+
+def reference_processor(folder: Path, tok, model_type: str):
+    """The model's own processor class, with its image processor and tokenizer: its ``__call__`` expands the
     placeholders. (Its constructor asks for a video processor, which needs torchvision, not installed here.)"""
     from transformers import AutoImageProcessor
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl import Qwen2VLProcessor
 
-    p = object.__new__(Qwen2VLProcessor)
+    p = object.__new__({"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}[model_type])
     p.image_processor, p.tokenizer, p.video_processor, p.chat_template = (
         AutoImageProcessor.from_pretrained(folder), tok, None, None)
     p.image_token, p.video_token = "<|image_pad|>", "<|video_pad|>"
@@ -96,11 +110,11 @@ def rows(tmp_path_factory) -> Path:
     return d / "train.jsonl"
 
 
-def prepared(demo, parts, path: Path, **data):
+def prepared(folder: Path, parts, path: Path, **data):
     tok, model = parts
     cfg = DataConfig(sources=[str(path)], max_length=512, **data)
     encoder = vision_encoder(tok, resolve_template(tok, None), vision_family(model.config), model.config, cfg)
-    return prepare_vision(cfg, encoder, ImageProcessing(str(demo / "model")))
+    return prepare_vision(cfg, encoder, ImageProcessing(str(folder)))
 
 
 def test_image_forms_agree():
@@ -146,12 +160,12 @@ def test_unsupported_vision_architecture_refused_by_name():
         vision_family(SimpleNamespace(model_type="gemma3", vision_config=object()))
 
 
-def test_ids_equal_the_processor_and_no_image_token_carries_loss(demo, parts, rows):
-    """The ids of each example equal Qwen2-VL's processor on the template's rendering; labels only on answers."""
-    tok, _ = parts
-    data, report = prepared(demo, parts, rows)
+def test_ids_equal_the_processor_and_no_image_token_carries_loss(arch, rows):
+    """The ids of each example equal the model's processor on the template's rendering; labels only on answers."""
+    tok, model = load(arch)
+    data, report = prepared(arch, (tok, model), rows)
     assert len(data) == 3 and report.sources[0]["images"] == 3
-    processor = reference_processor(demo / "model", tok)
+    processor = reference_processor(arch, tok, model.config.model_type)
     image_id = tok.convert_tokens_to_ids("<|image_pad|>")
     for i, row in enumerate(ROWS):
         messages = copy.deepcopy(row["messages"])
@@ -167,16 +181,17 @@ def test_ids_equal_the_processor_and_no_image_token_carries_loss(demo, parts, ro
         assert trained == "".join(a + "<|im_end|>" for a in answers)
 
 
-def test_packed_loss_and_gradients_equal_each_example_alone(demo, parts, rows):
+def test_packed_loss_and_gradients_equal_each_example_alone(arch, rows):
     """Three examples (one image, two images, none) in one packed row: loss and every gradient equal the plain
     transformers model run on each example alone (fp32)."""
-    tok, plain = parts
-    data, _ = prepared(demo, parts, rows)
+    tok, plain = load(arch)
+    data, _ = prepared(arch, (tok, plain), rows)
     batch = collate_packed(data, np.arange(3), np.zeros(3, np.int64), data.lengths)
     model = copy.deepcopy(plain)
     use_packed_attention(model, "leansft_sdpa_varlen")
     packed = LossModule(model)(batch)
     packed.backward()
+    packed = packed.detach()
     reference = copy.deepcopy(plain)
     from leansft.core.model.vision_verify import plain_loss
 
@@ -205,8 +220,8 @@ def test_bad_images_are_one_line_each_or_skipped(demo, parts, tmp_path):
         path = tmp_path / f"bad{i}.jsonl"
         path.write_text(json.dumps(row("ok.png")) + "\n" + json.dumps(row(name)) + "\n")
         with pytest.raises(DataError, match=f"row 2: field 'images': image .*{needle}"):
-            prepared(demo, parts, path)
-    data, report = prepared(demo, parts, tmp_path / "bad1.jsonl", on_bad_row="skip")
+            prepared(demo / "model", parts, path)
+    data, report = prepared(demo / "model", parts, tmp_path / "bad1.jsonl", on_bad_row="skip")
     assert len(data) == 1 and report.sources[0]["bad_rows"] == 1
 
 
@@ -250,6 +265,14 @@ def test_train_resume_export_generate(demo, tmp_path):
                          mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=4,
                          do_sample=False)
     assert out.shape[1] > ids.shape[1]
+    # leansft generate --image on the same folder; GGUF refused in one line, nothing written
+    from leansft.tools.cli import main
+
+    Image.new("RGB", (64, 64), (220, 30, 30)).save(tmp_path / "red.png")
+    assert main(["generate", str(final), "--image", str(tmp_path / "red.png"), "--prompt", "Colour?",
+                 "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert main(["export", str(final), "--to", "gguf", str(tmp_path / "v.gguf")]) == 2
+    assert not (tmp_path / "v.gguf").exists()
 
 
 def test_plan_counts_image_tokens_and_the_tower(demo, capsys):

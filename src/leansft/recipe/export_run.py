@@ -19,6 +19,8 @@ from leansft.core import distributed
 from leansft.core.config import load_config
 from leansft.core.data.masking import ChatTemplate, resolve_template, stop_token_ids
 from leansft.core.data.tokenizer import load_tokenizer
+from leansft.core.data.vision.family import is_vision_model
+from leansft.core.data.vision.processing import ImageProcessing
 from leansft.core.errors import LeanSFTError
 from leansft.core.gguf.write import convert
 from leansft.core.io import checkpoint_files as ckpt
@@ -138,6 +140,15 @@ def export_source(source: str, to: str, out: str, dtype: str = "f16", overwrite:
     target = check_out(out, to, read_paths(source, checkpoint, cfg), overwrite)
     model, tokenizer, template, cfg = load_source(source, checkpoint, trust_remote_code, base_model, cfg)
     chat = template or ChatTemplate("tokenizer", tokenizer.chat_template or "")
+    images = None
+    if is_vision_model(model.config):
+        if to == "gguf":
+            raise LeanSFTError("GGUF for a vision-language model is not supported yet (the language model and its "
+                               "mmproj file are two conversions)", file=source,
+                               hint="export --to hf, then llama.cpp's convert_hf_to_gguf.py on that folder, once "
+                                    "plain and once with --mmproj")
+        images = ImageProcessing(_model_folder(source, cfg), cfg.vision.min_pixels if cfg else None,
+                                 cfg.vision.max_pixels if cfg else None)
     if to == "gguf":  # the folder --to hf writes, then llama.cpp's converter
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.hf-") as tmp:
@@ -150,11 +161,16 @@ def export_source(source: str, to: str, out: str, dtype: str = "f16", overwrite:
         if modelfile is not None:
             log.info("Ollama: ollama create %s -f %s", written.stem, modelfile)
         return written
-    folder = export(model, tokenizer, chat, target, cfg, source)
+    folder = export(model, tokenizer, chat, target, cfg, source, images=images)
     card = model_card_for(source, checkpoint, cfg, folder)
     if card is not None:
         log.info("model card: %s", card)
     return folder
+
+
+def _model_folder(source: str, cfg) -> str:
+    """Where a vision model's image processor is read: the run's base model, else the folder exported."""
+    return model_location(cfg) if cfg is not None else resolve_model_path(source, default_cache_dir())
 
 
 def model_card_for(source: str, path: Path | None, cfg, folder: Path) -> Path | None:

@@ -95,6 +95,8 @@ def generate_answers(args, source) -> int:
         raise LeanSFTError("--out writes the answers of --from FILE.jsonl", field="--out")
     rows = _prompt_rows(args.source_file) if args.source_file else [{"prompt": p} for p in args.prompt]
     model, tok, template, settings = settings_of(args, source, lambda line: print(line, file=sys.stderr))
+    if args.image:
+        return _answer_about_images(args, model, tok, template, settings)
     out = open(args.out, "w", encoding="utf-8") if args.out else None  # noqa: SIM115 (closed below)
     try:
         for i, item in enumerate(rows, 1):
@@ -115,6 +117,35 @@ def generate_answers(args, source) -> int:
     if out is not None:
         print(f"wrote {len(rows)} answers to {args.out}")
     return 0
+
+
+def _answer_about_images(args, model, tok, template, settings) -> int:
+    """``generate MODEL --image PATH [--image PATH] --prompt TEXT``: a vision model answers about the pictures."""
+    from leansft.core.data.vision.family import is_vision_model
+    from leansft.core.data.vision.processing import ImageProcessing
+    from leansft.core.inference.images import image_prompt
+
+    if not is_vision_model(model.config):
+        raise LeanSFTError(f"--image needs a vision-language model; {args.model} is a text model", field="--image")
+    if args.source_file or not args.prompt or len(args.prompt) != 1:
+        raise LeanSFTError("--image takes one --prompt (the question about the pictures)", field="--image")
+    folder = _processor_folder(args.model)
+    ids, inputs = image_prompt(model, tok, template, settings, args.prompt[0], args.image, ImageProcessing(folder))
+    (answer,) = generate(model, tok, template, [ids], inputs=[inputs], **sampling(args))
+    print(answer)
+    return 0
+
+
+def _processor_folder(spec: str) -> str:
+    """The folder holding the image processor: a model folder (final/ has one), or a run's base model."""
+    from leansft.recipe.export_run import checkpoint_config, checkpoint_of
+
+    if (Path(spec) / "preprocessor_config.json").is_file():
+        return spec
+    checkpoint = checkpoint_of(spec)
+    if checkpoint is not None:
+        return checkpoint_config(checkpoint).model
+    raise LeanSFTError("no preprocessor_config.json (the image processor) here", file=spec, field="--image")
 
 
 CHAT_HELP = """commands:

@@ -673,6 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='a .jsonl of {"messages": [...]} or {"prompt": "..."} rows to answer (a trailing assistant '
                         "turn is left out)")
     g.add_argument("--out", default=None, help="write each --from row with its \"answer\" here (JSON lines)")
+    g.add_argument("--image", action="append", default=None,
+                   help="a picture the --prompt asks about (repeatable; a vision-language model: docs/vision.md)")
     g.set_defaults(func=cmd_generate)
 
     c = _command(sub, "chat", help="interactive chat with a model")
