@@ -225,10 +225,15 @@ def test_bad_images_are_one_line_each_or_skipped(demo, parts, tmp_path):
     assert len(data) == 1 and report.sources[0]["bad_rows"] == 1
 
 
-def test_train_resume_export_generate(demo, tmp_path):
-    """Through the CLI: LoRA on the language model lowers the held-out loss; a resumed run continues exactly; the
-    exported folder loads with transformers alone and answers about a picture."""
-    from test_cli import run_cli
+@pytest.mark.slow
+def test_train_resume_export_generate(demo, tmp_path, capsys):
+    """Through the CLI (in this process): LoRA on the language model lowers the held-out loss; a resumed run
+    continues exactly; the exported folder loads with transformers alone and answers about a picture."""
+    from leansft.tools.cli import main
+
+    def run_cli(*args):
+        code = main(list(args))
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
     config = tmp_path / "vision.yaml"
     config.write_text((ROOT / "examples" / "vision.yaml").read_text().replace("runs/vision-demo", str(demo)))
@@ -266,8 +271,6 @@ def test_train_resume_export_generate(demo, tmp_path):
                          do_sample=False)
     assert out.shape[1] > ids.shape[1]
     # leansft generate --image on the same folder; GGUF refused in one line, nothing written
-    from leansft.tools.cli import main
-
     Image.new("RGB", (64, 64), (220, 30, 30)).save(tmp_path / "red.png")
     assert main(["generate", str(final), "--image", str(tmp_path / "red.png"), "--prompt", "Colour?",
                  "--max-new-tokens", "4", "--temperature", "0"]) == 0
@@ -285,3 +288,14 @@ def test_plan_counts_image_tokens_and_the_tower(demo, capsys):
     assert "images: 48 in 48 examples" in out and "none carry loss" in out and "vision_tower" in out
     assert main(["show-mask", "--data", str(demo / "data" / "train.jsonl"), "--tokenizer", model, "-n", "1"]) == 0
     assert "<|image_pad|>" in capsys.readouterr().out
+
+
+def test_doctor_checks_the_examples_with_their_images(demo, tmp_path):
+    from leansft.core.config import load_config
+    from leansft.tools.doctor import run_checks
+
+    config = tmp_path / "vision.yaml"
+    config.write_text((ROOT / "examples" / "vision.yaml").read_text().replace("runs/vision-demo", str(demo)))
+    checks = {c.name: c for c in run_checks(load_config(str(config), [f"output_dir={tmp_path / 'run'}"]))}
+    assert checks["images"].status == "PASS" and "= each alone" in checks["images"].message
+    assert all(c.status == "PASS" for c in checks.values()), {n: c.message for n, c in checks.items()}

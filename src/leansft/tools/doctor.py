@@ -35,6 +35,7 @@ from leansft.core.model.verify import (
     probe_segments,
     verify_model,
 )
+from leansft.core.model.vision_verify import verify_vision
 from leansft.core.progress import console, phase
 from leansft.recipe.batches import Batcher
 from leansft.recipe.builders import (
@@ -137,6 +138,14 @@ def check_isolation_and_loss(cfg: RunConfig, model, data, pad: int,
         checks.append(Check("loss", status, v.head.reason or f"{path} batches: the loss differs from the model's own",
                             numbers, "this architecture's output layer or forward is not supported packed"))
     return checks, strategy
+
+
+def check_images(cfg: RunConfig, model, data, precision) -> Check:
+    """A vision model: packed examples with their images against each run alone through the plain model."""
+    try:
+        return Check("images", "PASS", verify_vision(model, data, cfg.batching.tokens_per_micro_batch, precision), {})
+    except LeanSFTError as err:
+        return Check("images", "FAIL", str(err), {}, err.hint)
 
 
 def check_positions(batcher) -> Check:
@@ -243,7 +252,8 @@ def check_memory_and_throughput(cfg: RunConfig, model, batcher, device, amp) -> 
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
             module(b).backward()
         tokens += b.real_tokens
-        flops += step_flops(body, model.config.num_hidden_layers, model.config.hidden_size, b.real_tokens,
+        text = model.config.get_text_config()  # a vision model: its language model's
+        flops += step_flops(body, text.num_hidden_layers, text.hidden_size, b.real_tokens,
                             attended_squares(b), head, b.target_tokens)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -262,7 +272,7 @@ def run_checks(cfg: RunConfig) -> list[Check]:
     model_path = model_location(cfg)
     try:  # whole examples, so the truncation check sees what max_length would cut
         prep = prepare_data(cfg.data, cfg.tokenizer or model_path, seed=cfg.training.seed, truncate=False,
-                            holdout=False)
+                            holdout=False, model_spec=model_path, vision=cfg.vision)
     except (TemplateError, DataError) as err:
         return [Check("template", "FAIL", str(err), {}, err.hint or "pass a training template")]
     tok, full = prep.tokenizer, prep.train
@@ -281,6 +291,9 @@ def run_checks(cfg: RunConfig) -> list[Check]:
     with phase("doctor: isolation and loss against the plain model"):
         found, strategy = check_isolation_and_loss(cfg, model, sample, pad_id(tok), head_precision(cfg, device, amp))
     checks += found
+    if full.store.images is not None:  # the checks above ran the language model on ids alone: now with the images
+        with phase("doctor: packed examples with their images against each alone"):
+            checks.append(check_images(cfg, model, full, head_precision(cfg, device, amp)))
     if strategy is None:  # train refuses this model before step 1: nothing further to judge
         return checks
     # from here on, the path the run will take (train's fallback to sorted batches included)
