@@ -1,7 +1,7 @@
 """Vision-language SFT (docs/vision.md), judged against the model's own processor and the plain transformers model.
 
-One tiny Qwen2-VL (examples/vision/make_demo.py: Qwen2-VL's architecture and published template, random weights,
-Qwen's tokenizer from a registry package) and its generated pictures serve every test here.
+One tiny Qwen2-VL (examples/vision/make_demo.py: Qwen2-VL's architecture, random weights, Qwen2-VL-2B-Instruct's
+own tokenizer and template from a registry package) and its generated pictures serve every test here.
 """
 
 from __future__ import annotations
