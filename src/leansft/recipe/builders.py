@@ -178,6 +178,9 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int,
         if strategy != "bfd":
             raise ConfigError(f"batching.strategy {strategy} with images: only bfd (packed, examples whole) is "
                               "supported yet", field="batching.strategy")
+        if cfg.distributed.context_parallel > 1:
+            raise ConfigError("distributed.context_parallel with images is not supported: a row's images cannot be "
+                              "split over ranks", field="distributed.context_parallel")
         if cfg.training.verify != "skip":
             log.info("vision: %s", verify_vision(model, data, cfg.batching.tokens_per_micro_batch, precision))
         return strategy

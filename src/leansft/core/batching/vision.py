@@ -24,7 +24,7 @@ class VisionInputs:
 
     def to(self, device) -> VisionInputs:
         pv = None if self.pixel_values is None else self.pixel_values.to(device, non_blocking=True)
-        return VisionInputs(pv, self.grid, self.images_per_piece)
+        return VisionInputs(pv, self.grid.to(device), self.images_per_piece)
 
     def pin_memory(self) -> VisionInputs:
         pv = None if self.pixel_values is None else self.pixel_values.pin_memory()

@@ -11,6 +11,7 @@ import torch
 from leansft.core.batching.vision import VisionInputs, vision_inputs
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.errors import ModelError
+from leansft.core.model.attention import PACKED_SAFE, remember_segment_sizes, segment_sizes
 
 
 def vision_model(model):
@@ -47,13 +48,11 @@ def image_features(inner, vision: VisionInputs):
     """The vision tower's output for the batch's images, run without the language model's packing arguments."""
     if vision.pixel_values is None:
         return None
-    return inner.get_image_features(vision.pixel_values, vision.grid.to(vision.pixel_values.device), return_dict=True)
+    return inner.get_image_features(vision.pixel_values, vision.grid, return_dict=True)
 
 
 def packed_vision_forward(model, batch) -> torch.Tensor:
     """Final hidden states [1, T, H] of a packed batch with images."""
-    from leansft.core.model.attention import PACKED_SAFE, remember_segment_sizes, segment_sizes
-
     inner = vision_model(model)
     impl = inner.language_model.config._attn_implementation
     if impl not in PACKED_SAFE:

@@ -47,8 +47,9 @@ def image_path(ref: str, base: Path) -> Path | None:
     return path if path.is_absolute() else base / path
 
 
-def open_image(ref: str, base: Path, *, file: str, row: int) -> Image.Image:
-    """The image ``ref`` names, decoded whole and in RGB; any failure is a ``DataError`` naming row and image."""
+def open_image(ref: str, base: Path, *, file: str, row: int | None) -> Image.Image:
+    """The image ``ref`` names, decoded whole and in RGB; any failure is a ``DataError`` naming row and image
+    (``row`` None: read again for a batch, after the data was prepared)."""
     what = describe(ref)
     if re.match(r"https?://|s3://|gs://", ref, re.I):
         raise DataError(f"image {what} is a URL: leansft downloads nothing", file=file, row=row, field="images",

@@ -21,11 +21,11 @@ from leansft.core.data.dataset import PrepReport, TokenizedDataset
 from leansft.core.data.formats import convert_row, detect_format, map_columns
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 from leansft.core.data.sources import parse_row, read_raw_rows
-from leansft.core.errors import ConfigError, DataError, LeanSFTError, ModelError
 from leansft.core.data.vision.encode import VisionEncoder
 from leansft.core.data.vision.family import VisionFamily
 from leansft.core.data.vision.images import open_image
 from leansft.core.data.vision.processing import ImageProcessing, Pixels
+from leansft.core.errors import ConfigError, DataError, LeanSFTError, ModelError
 
 log = logging.getLogger("leansft")
 
@@ -58,7 +58,7 @@ class ImageTable:
 
     def pixels(self, examples: np.ndarray) -> Pixels | None:
         """The vision tower's input for the images of ``examples`` (stored indices), in order; None without any."""
-        images = [open_image(r, self.base[e], file=str(self.base[e]), row=-1) for e in examples for r in self.refs[e]]
+        images = [open_image(r, self.base[e], file=str(self.base[e]), row=None) for e in examples for r in self.refs[e]]
         if not images:
             return None
         pixels = self.processing(images)
@@ -112,7 +112,7 @@ def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImagePro
                 meta["bad_rows"] += 1
                 meta["bad_row_examples"] = (meta["bad_row_examples"] + [str(err)])[:5]
                 continue
-            h = _hash(conv, conv.images)
+            h = _hash(conv, [str(base / r) for r in conv.images])  # the files, wherever the data file is
             if cfg.clean.dedupe and h in seen:
                 report.duplicates_removed += len(examples)
                 continue
