@@ -151,7 +151,7 @@ def test_image_counts_and_places_refused(row, needle):
 def test_images_refused_for_a_text_model():
     row = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}],
            "images": ["a.png"]}
-    with pytest.raises(DataError, match="trains on text alone"):
+    with pytest.raises(DataError, match="reads text alone; images need a vision-language model"):
         convert_row(row, "messages", "f.jsonl", 1)
 
 
