@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from leansft.core.batching.collate import collate_packed
+from leansft.core.batching.collate import collate_packed, collate_padded
 from leansft.core.config import DataConfig
 from leansft.core.data.formats import convert_row
 from leansft.core.data.masking import IGNORE_INDEX, resolve_template
@@ -181,14 +181,18 @@ def test_ids_equal_the_processor_and_no_image_token_carries_loss(arch, rows):
         assert trained == "".join(a + "<|im_end|>" for a in answers)
 
 
-def test_packed_loss_and_gradients_equal_each_example_alone(arch, rows):
-    """Three examples (one image, two images, none) in one packed row: loss and every gradient equal the plain
-    transformers model run on each example alone (fp32)."""
+@pytest.mark.parametrize("batching", ["packed", "padded"])
+def test_loss_and_gradients_equal_each_example_alone(arch, rows, batching):
+    """Three examples (one image, two images, none) in one packed row, or padded side by side: loss and every
+    gradient equal the plain transformers model run on each example alone (fp32)."""
     tok, plain = load(arch)
     data, _ = prepared(arch, (tok, plain), rows)
-    batch = collate_packed(data, np.arange(3), np.zeros(3, np.int64), data.lengths)
     model = copy.deepcopy(plain)
-    use_packed_attention(model, "leansft_sdpa_varlen")
+    if batching == "packed":
+        batch = collate_packed(data, np.arange(3), np.zeros(3, np.int64), data.lengths)
+        use_packed_attention(model, "leansft_sdpa_varlen")
+    else:
+        batch = collate_padded(data, np.arange(3), tok.pad_token_id)
     packed = LossModule(model)(batch)
     packed.backward()
     packed = packed.detach()

@@ -16,7 +16,7 @@ import torch
 
 from leansft.core import cpu, distributed
 from leansft.core.batching.collate import collate_packed, collate_padded
-from leansft.core.config import PACKED_STRATEGIES, RunConfig
+from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.vision.family import is_vision_model, vision_family
 from leansft.core.errors import ConfigError, LeanSFTError
@@ -175,14 +175,16 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int,
     check_vocabulary(model, data)
     strategy = cfg.batching.strategy
     if data.store.images is not None:  # a vision model's data: packed whole examples, checked per example
-        if strategy != "bfd":
-            raise ConfigError(f"batching.strategy {strategy} with images: only bfd (packed, examples whole) is "
-                              "supported yet", field="batching.strategy")
+        if strategy in SPLITTING_STRATEGIES:
+            raise ConfigError(f"batching.strategy {strategy} with images: it cuts examples, and an image's tokens "
+                              "must stay with their image (bfd packs whole examples; sorted and padded pad them)",
+                              field="batching.strategy")
         if cfg.distributed.context_parallel > 1:
             raise ConfigError("distributed.context_parallel with images is not supported: a row's images cannot be "
                               "split over ranks", field="distributed.context_parallel")
         if cfg.training.verify != "skip":
-            log.info("vision: %s", verify_vision(model, data, cfg.batching.tokens_per_micro_batch, precision))
+            log.info("vision: %s", verify_vision(model, data, cfg.batching.tokens_per_micro_batch, precision,
+                                                 None if strategy in PACKED_STRATEGIES else pad))
         return strategy
     if cfg.training.verify == "skip":
         log.warning("training.verify is skip: the packed forward and the loss are not checked against the model")

@@ -17,7 +17,6 @@ import torch
 from leansft.core.batching.packing import PackPlan
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
-from leansft.core.errors import ConfigError
 from leansft.core.host_read import HostRead
 from leansft.core.batching.vision import VisionInputs, vision_inputs
 
@@ -120,6 +119,7 @@ class PaddedBatch(_Targets):
     examples: np.ndarray
     weights: torch.Tensor | None = None  # [B, L]
     target_index: HostRead | None = None
+    vision: VisionInputs | None = None  # a vision model's images, row after row
 
     @property
     def real_tokens(self) -> int:
@@ -134,11 +134,13 @@ class PaddedBatch(_Targets):
         return PaddedBatch(_to(self.input_ids, device), labels, _to(self.attention_mask, device),
                            _to(self.position_ids, device), self.examples,
                            None if self.weights is None else _to(self.weights, device),
-                           target_index=self._moved_targets(labels, device))
+                           target_index=self._moved_targets(labels, device),
+                           vision=None if self.vision is None else self.vision.to(device))
 
     def pin_memory(self) -> PaddedBatch:
         pinned = _pinned(self, "input_ids", "labels", "attention_mask", "position_ids", "weights")
-        return dataclasses.replace(self, **pinned, **self._pinned_targets(pinned))
+        vision = None if self.vision is None else self.vision.pin_memory()
+        return dataclasses.replace(self, **pinned, **self._pinned_targets(pinned), vision=vision)
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:
@@ -176,9 +178,6 @@ def collate_rows(data: TokenizedDataset, plan: PackPlan, rows: np.ndarray) -> Pa
 
 def collate_padded(data: TokenizedDataset, examples: np.ndarray, pad_id: int, max_length: int | None = None) -> PaddedBatch:
     examples = np.asarray(examples, dtype=np.int64)
-    if data.store.images is not None:
-        raise ConfigError("padded batches of examples with images are not supported yet", field="batching.strategy",
-                          hint="use batching.strategy bfd (packed, examples whole)")
     lens = data.lengths[examples]
     if max_length is not None:
         lens = np.minimum(lens, max_length)
@@ -192,5 +191,8 @@ def collate_padded(data: TokenizedDataset, examples: np.ndarray, pad_id: int, ma
         weights[mask] = flat
     labels[:, 0] = IGNORE_INDEX
     positions = np.broadcast_to(np.arange(width), ids.shape).copy()
+    vision = None if data.store.images is None else vision_inputs(data, examples, np.zeros(len(examples), np.int64),
+                                                                     lens)
     return PaddedBatch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask.astype(np.int64)),
-                       torch.from_numpy(positions), examples, None if weights is None else torch.from_numpy(weights))
+                       torch.from_numpy(positions), examples, None if weights is None else torch.from_numpy(weights),
+                       vision=vision)

@@ -10,7 +10,7 @@ from leansft.core.model.attention import decoder_of, packed_forward
 from leansft.core.model.head import read_output_head
 from leansft.core.model.loss import PLAIN, HeadPrecision, chunked_loss, liger_loss
 from leansft.core.model.rope import batch_lengths, per_example_rope
-from leansft.core.model.vision_forward import packed_vision_forward
+from leansft.core.model.vision_forward import packed_vision_forward, padded_vision_forward
 
 
 def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
@@ -25,6 +25,8 @@ def hidden_states(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
         impl = model.config._attn_implementation
         if impl.startswith("leansft"):
             raise ModelError("padded batches need a padding-aware attention implementation (sdpa), not " + impl)
+        if batch.vision is not None:
+            return padded_vision_forward(model, batch)
         out = decoder_of(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                 position_ids=batch.position_ids, use_cache=False)
         return out.last_hidden_state

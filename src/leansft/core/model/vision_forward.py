@@ -1,8 +1,8 @@
-"""The packed forward of a vision-language model: the vision tower once per batch (its own attention keeps each
+"""The forwards of a vision-language model. Packed: the vision tower once per batch (its own attention keeps each
 image apart), the image features put in place of the placeholders, M-RoPE positions made for each example as it
 runs alone (``get_rope_index`` of the model), and the language model's varlen attention (``core/model/attention``)
-so examples never see each other. Loss and gradients equal each example run alone through the plain model
-(``tests/test_vision.py``)."""
+so examples never see each other. Padded: the model's own forward. Loss and gradients equal each example run
+alone through the plain model (``tests/test_vision.py``)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,17 @@ def packed_vision_forward(model, batch) -> torch.Tensor:
                 mm_token_type_ids=mm_token_types(inner, batch.input_ids), use_cache=False,
                 cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
                 max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
+    return out.last_hidden_state
+
+
+def padded_vision_forward(model, batch) -> torch.Tensor:
+    """Final hidden states [B, L, H] of a padded batch with images (right padding): the model's own forward, which
+    places the images and makes each row's M-RoPE positions from the attention mask."""
+    inner = vision_model(model)
+    vision = batch.vision
+    out = inner(input_ids=batch.input_ids, attention_mask=batch.attention_mask, pixel_values=vision.pixel_values,
+                image_grid_thw=vision.grid if vision.pixel_values is not None else None,
+                mm_token_type_ids=mm_token_types(inner, batch.input_ids), use_cache=False)
     return out.last_hidden_state
 
 

@@ -1,12 +1,13 @@
-"""Before step 1 of a vision run: the packed loss of a few examples (images included) against each example run
-alone through the plain model, as transformers runs it (its own attention, positions and image placement)."""
+"""Before step 1 of a vision run: the loss of a few examples (images included) in one batch, packed or padded as
+the run batches them, against each example run alone through the plain model, as transformers runs it (its own
+attention, positions and image placement)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from leansft.core.batching.collate import collate_packed
+from leansft.core.batching.collate import collate_packed, collate_padded
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ModelError
@@ -46,20 +47,24 @@ def plain_loss(model, data: TokenizedDataset, i: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def verify_vision(model, data: TokenizedDataset, tokens: int, precision: HeadPrecision = PLAIN) -> str:
-    """A line saying what was checked; a ``ModelError`` where the packed loss is not the per-example one."""
+def verify_vision(model, data: TokenizedDataset, tokens: int, precision: HeadPrecision = PLAIN,
+                  pad: int | None = None) -> str:
+    """A line saying what was checked; a ``ModelError`` where the batch's loss is not the per-example one. ``pad``:
+    the pad id of a padded run (its batches are checked), else the packed ones are."""
     from leansft.core.model.forward import LossModule
 
     picked = probe_examples(data, tokens)
     device = next(model.parameters()).device
-    batch = collate_packed(data, picked, np.zeros(len(picked), np.int64), data.lengths[picked]).to(device)
+    batch = (collate_padded(data, picked, pad) if pad is not None else
+             collate_packed(data, picked, np.zeros(len(picked), np.int64), data.lengths[picked])).to(device)
     packed = float(LossModule(model, precision=precision)(batch))
     alone = float(sum(plain_loss(model, data, int(i), device) for i in picked))
     gap = abs(packed - alone) / max(abs(alone), 1e-12)
     images = sum(len(data.store.images.refs[data.index[i]]) for i in picked)
+    kind = "padded" if pad is not None else "packed"
     if gap > TOLERANCE:
-        raise ModelError(f"packed examples with images give a loss {packed:.6g}, each alone {alone:.6g} (relative gap "
-                         f"{gap:.2e}): packing is not exact for this model", field="batching.strategy",
+        raise ModelError(f"{kind} examples with images give a loss {packed:.6g}, each alone {alone:.6g} (relative gap "
+                         f"{gap:.2e}): {kind} batches are not exact for this model", field="batching.strategy",
                          hint="report it; training.verify: skip trains anyway")
-    return (f"{len(picked)} packed examples with {images} images: loss {packed:.6g} = each alone {alone:.6g} "
+    return (f"{len(picked)} {kind} examples with {images} images: loss {packed:.6g} = each alone {alone:.6g} "
             f"(relative gap {gap:.1e})")
