@@ -230,7 +230,7 @@ def test_bad_images_are_one_line_each_or_skipped(demo, parts, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_resume_export_generate(demo, tmp_path, capsys):
+def test_train_resume_export_generate(demo, tmp_path, capsys, monkeypatch):
     """Through the CLI (in this process): LoRA on the language model lowers the held-out loss; a resumed run
     continues exactly; the exported folder loads with transformers alone and answers about a picture."""
     from leansft.tools.cli import main
@@ -278,6 +278,11 @@ def test_train_resume_export_generate(demo, tmp_path, capsys):
     Image.new("RGB", (64, 64), (220, 30, 30)).save(tmp_path / "red.png")
     assert main(["generate", str(final), "--image", str(tmp_path / "red.png"), "--prompt", "Colour?",
                  "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    lines = iter([f"/image {tmp_path / 'red.png'}", "Colour?", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    capsys.readouterr()
+    assert main(["chat", str(final), "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert "picture 1 goes with your next message" in capsys.readouterr().out
     assert main(["export", str(final), "--to", "gguf", str(tmp_path / "v.gguf")]) == 2
     assert not (tmp_path / "v.gguf").exists()
 

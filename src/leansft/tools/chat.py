@@ -121,19 +121,30 @@ def generate_answers(args, source) -> int:
 
 def _answer_about_images(args, model, tok, template, settings) -> int:
     """``generate MODEL --image PATH [--image PATH] --prompt TEXT``: a vision model answers about the pictures."""
+    from leansft.core.inference.images import user_message
+
+    if args.source_file or not args.prompt or len(args.prompt) != 1:
+        raise LeanSFTError("--image takes one --prompt (the question about the pictures)", field="--image")
+    ask = _image_asker(args, model, tok, template, settings)
+    print(ask([user_message(args.prompt[0], len(args.image))], list(args.image)))
+    return 0
+
+
+def _image_asker(args, model, tok, template, settings):
+    """``ask(messages, images)``: the model's answer to a conversation whose image parts are ``images``."""
     from leansft.core.data.vision.family import is_vision_model
     from leansft.core.data.vision.processing import ImageProcessing
     from leansft.core.inference.images import image_prompt
 
     if not is_vision_model(model.config):
-        raise LeanSFTError(f"--image needs a vision-language model; {args.model} is a text model", field="--image")
-    if args.source_file or not args.prompt or len(args.prompt) != 1:
-        raise LeanSFTError("--image takes one --prompt (the question about the pictures)", field="--image")
-    folder = _processor_folder(args.model)
-    ids, inputs = image_prompt(model, tok, template, settings, args.prompt[0], args.image, ImageProcessing(folder))
-    (answer,) = generate(model, tok, template, [ids], inputs=[inputs], **sampling(args))
-    print(answer)
-    return 0
+        raise LeanSFTError(f"images need a vision-language model; {args.model} is a text model", field="--image")
+    processing = ImageProcessing(_processor_folder(args.model))
+
+    def ask(messages: list[dict], images: list[str]) -> str:
+        ids, inputs = image_prompt(model, tok, template, settings, messages, images, processing)
+        return generate(model, tok, template, [ids], inputs=[inputs], **sampling(args))[0]
+
+    return ask
 
 
 def _processor_folder(spec: str) -> str:
@@ -151,6 +162,7 @@ def _processor_folder(spec: str) -> str:
 CHAT_HELP = """commands:
   /system TEXT   a new system prompt (the conversation so far is kept); /system alone shows it, /system none
                  removes it
+  /image PATH    a picture for your next message (a vision-language model; repeatable)
   /reset         start the conversation again (the system prompt stays)
   /help          this list
   /quit          leave (also: Ctrl-D, or an empty line)
@@ -159,8 +171,13 @@ CHAT_HELP = """commands:
 
 def chat(args, source) -> int:
     """``leansft chat``: a conversation at the terminal, with the commands of ``CHAT_HELP``."""
+    from leansft.core.inference.images import user_message
+
     model, tok, template, settings = settings_of(args, source, print)
     history: list[dict] = []
+    images: list[str] = []  # the conversation's pictures, in order
+    pending: list[str] = []  # those for the next message
+    ask = None
     print("leansft chat: /help for commands; an empty line, /quit or Ctrl-D leaves")
     while True:
         try:
@@ -174,8 +191,15 @@ def chat(args, source) -> int:
             if command == "/help":
                 print(CHAT_HELP)
             elif command == "/reset":
-                history = []
+                history, images, pending = [], [], []
                 print("(conversation reset)")
+            elif command == "/image" and rest.strip():
+                ask = ask or _image_asker(args, model, tok, template, settings)
+                if not Path(rest.strip()).is_file():
+                    print(f"no such file: {rest.strip()}")
+                    continue
+                pending.append(rest.strip())
+                print(f"(picture {len(images) + len(pending)} goes with your next message)")
             elif command == "/system" and not rest.strip():
                 print(f"system prompt: {settings.system!r}" if settings.system is not None
                       else "no system prompt (the template's default, if it has one)")
@@ -185,10 +209,15 @@ def chat(args, source) -> int:
             else:
                 print(f"unknown command {command}: /help lists them (//text sends a message starting with /)")
             continue
-        history.append({"role": "user", "content": line[1:] if line.startswith("//") else line})
+        text = line[1:] if line.startswith("//") else line
+        history.append(user_message(text, len(pending)) if pending else {"role": "user", "content": text})
+        images, pending = images + pending, []
         if args.show_prompt:
             print(settings.render(tok, template, history))
-        (answer,) = generate(model, tok, template, [history], settings=settings, **sampling(args))
+        if images:
+            answer = ask(history, images)
+        else:
+            (answer,) = generate(model, tok, template, [history], settings=settings, **sampling(args))
         history.append({"role": "assistant", "content": answer})
         print(f"model> {answer}")
     return 0

@@ -16,13 +16,17 @@ from leansft.core.data.vision.processing import ImageProcessing
 from leansft.core.errors import LeanSFTError
 
 
-def image_prompt(model, tokenizer, template: ChatTemplate, settings, text: str, images: list[str],
+def user_message(text: str, images: int) -> dict:
+    """A user message with ``images`` pictures before its text, as vision templates read it."""
+    return {"role": "user", "content": [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": text}]}
+
+
+def image_prompt(model, tokenizer, template: ChatTemplate, settings, messages: list[dict], images: list[str],
                  processing: ImageProcessing) -> tuple[list[int], dict]:
-    """(prompt ids ending in the generation prompt, the further inputs of ``generate``) for ``text`` about
-    ``images`` (paths, relative to the working directory)."""
+    """(prompt ids ending in the generation prompt, the further inputs of ``generate``) for the conversation
+    ``messages``, whose image parts are ``images`` in order (paths, relative to the working directory)."""
     family = vision_family(model.config)
-    message = [{"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]}]
-    ids = np.asarray(settings.ids(tokenizer, template, message), np.int64)
+    ids = np.asarray(settings.ids(tokenizer, template, messages), np.int64)
     pixels = processing([open_image(p, Path.cwd(), file="--image", row=0) for p in images])
     image_id = int(model.config.image_token_id)
     try:
