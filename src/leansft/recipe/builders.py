@@ -182,6 +182,12 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int,
         if cfg.distributed.context_parallel > 1:
             raise ConfigError("distributed.context_parallel with images is not supported: a row's images cannot be "
                               "split over ranks", field="distributed.context_parallel")
+        family = vision_family(model.config)
+        if strategy in PACKED_STRATEGIES and not family.packs:
+            log.warning("%s: packed rows would not be exact (its image tokens attend to each other both ways); "
+                        "training with sorted (padded) batches instead", family.name)
+            strategy = "sorted"
+            use_plain_attention(model)
         if cfg.training.verify != "skip":
             log.info("vision: %s", verify_vision(model, data, cfg.batching.tokens_per_micro_batch, precision,
                                                  None if strategy in PACKED_STRATEGIES else pad))

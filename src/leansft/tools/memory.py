@@ -19,17 +19,18 @@ from leansft.core.config import Method
 
 def vision_tower_params(config) -> int:
     """Parameters of a vision model's tower and projector, counted on a model built on the meta device (no memory);
-    0 for a text model."""
+    0 for a text model. (An unsupported architecture is refused here as everywhere.)"""
     if getattr(config, "vision_config", None) is None:
         return 0
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from leansft.core.data.vision.family import vision_family
+
+    family = vision_family(config)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    base = getattr(model, "model", model)
-    tower = getattr(base, "visual", None) or getattr(base, "vision_tower", None)
-    return sum(p.numel() for p in tower.parameters()) if tower is not None else 0
+    return sum(p.numel() for name, p in model.named_parameters() if family.part(name) != "language")
 
 
 @dataclass

@@ -63,13 +63,15 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
     if summary.get("target_tokens") is not None:
         head += f", {summary['target_tokens']:,} target tokens ({summary['loss_share']:.1%} carry loss)"
     console.print(head)
-    if summary.get("images"):
+    if summary.get("images") and summary["images"]["images"]:
         im = summary["images"]
+        size = (f" ({im['pixels_per_image_max']:,} pixels); resolution limits {im['min_pixels']:,} to "
+                f"{im['max_pixels']:,} pixels (vision.min_pixels / max_pixels)" if im["max_pixels"] else
+                " (every image resized to one size)")
         console.print(f"images: {im['images']:,} in {im['examples_with_images']:,} examples; {im['image_tokens']:,} "
                       f"image tokens ({im['image_token_share']:.1%} of all, none carry loss); per image "
-                      f"{im['tokens_per_image_mean']:.0f} tokens on average, at most {im['tokens_per_image_max']:,} "
-                      f"({im['pixels_per_image_max']:,} pixels); resolution limits {im['min_pixels']:,} to "
-                      f"{im['max_pixels']:,} pixels (vision.min_pixels / max_pixels)")
+                      f"{im['tokens_per_image_mean']:.0f} tokens on average, at most {im['tokens_per_image_max']:,}"
+                      + size)
     console.print(
         f"length mean {ls['mean']:.0f}  median {ls['median']:.0f}  p90 {ls['p90']:.0f}  p99 {ls['p99']:.0f}  "
         f"max {ls['max']}"

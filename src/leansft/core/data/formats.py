@@ -337,7 +337,7 @@ def detect_format(row: dict[str, Any], file: str, number: int) -> str:
 
 # LLaMA-Factory's and ShareGPT's multimodal rows: the media beside the messages, `<image>` placeholders in the text
 MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
-TEXT_ONLY = ("the model reads text alone; images need a vision-language model (Qwen2-VL, Qwen2.5-VL: "
+TEXT_ONLY = ("the model reads text alone; images need a vision-language model (Qwen2-VL, Qwen2.5-VL, Gemma 3: "
              "docs/vision.md), video and audio are not supported")
 
 

@@ -10,10 +10,12 @@ import torch
 
 from leansft.core.data.masking import IGNORE_INDEX, ChatTemplate
 from leansft.core.data.vision.encode import expand_images
-from leansft.core.data.vision.family import merge_size, vision_family
+from leansft.core.batching.vision import VisionInputs
+from leansft.core.data.vision.family import vision_family
 from leansft.core.data.vision.images import open_image
 from leansft.core.data.vision.processing import ImageProcessing
 from leansft.core.errors import LeanSFTError
+from leansft.core.model.vision_forward import image_inputs
 
 
 def user_message(text: str, images: int) -> dict:
@@ -26,14 +28,18 @@ def image_prompt(model, tokenizer, template: ChatTemplate, settings, messages: l
     """(prompt ids ending in the generation prompt, the further inputs of ``generate``) for the conversation
     ``messages``, whose image parts are ``images`` in order (paths, relative to the working directory)."""
     family = vision_family(model.config)
-    ids = np.asarray(settings.ids(tokenizer, template, messages), np.int64)
     pixels = processing([open_image(p, Path.cwd(), file="--image", row=0) for p in images])
-    image_id = int(model.config.image_token_id)
-    try:
-        ids, _ = expand_images(ids, np.full(len(ids), IGNORE_INDEX), image_id,
-                               family.tokens_per_image(pixels.grid, merge_size(model.config)))
-    except ValueError as err:
-        raise LeanSFTError(f"the chat template and the images disagree: {err}", field="--image") from None
+    if family.expand == "text":  # the processor's image sequence in the text, then tokenised (Gemma 3)
+        text = settings.render(tokenizer, template, messages)
+        text = text.replace(family.image_token, family.image_text(tokenizer, model.config))
+        ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)
+    else:
+        ids = np.asarray(settings.ids(tokenizer, template, messages), np.int64)
+        try:
+            ids, _ = expand_images(ids, np.full(len(ids), IGNORE_INDEX), int(model.config.image_token_id),
+                                   family.tokens_per_image(pixels.grid, model.config))
+        except ValueError as err:
+            raise LeanSFTError(f"the chat template and the images disagree: {err}", field="--image") from None
     input_ids = torch.as_tensor(ids)[None]
-    return ids.tolist(), {"pixel_values": pixels.pixel_values, "image_grid_thw": torch.from_numpy(pixels.grid),
-                          "mm_token_type_ids": (input_ids == image_id).int()}
+    vision = VisionInputs(pixels.pixel_values, torch.from_numpy(pixels.grid), [len(images)])
+    return ids.tolist(), image_inputs(model, input_ids, vision)

@@ -10,6 +10,7 @@ import torch
 
 from leansft.core.batching.vision import VisionInputs, vision_inputs
 from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.data.vision.family import vision_family
 from leansft.core.errors import ModelError
 from leansft.core.model.attention import PACKED_SAFE, remember_segment_sizes, segment_sizes
 
@@ -18,14 +19,27 @@ def vision_model(model):
     """The model's multimodal core (vision tower + language model, no output layer), through PEFT wrappers."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = getattr(base, "model", None)
-    if inner is None or not hasattr(inner, "get_rope_index") or not hasattr(inner, "get_image_features"):
-        raise ModelError(f"{type(base).__name__} has no multimodal core with get_rope_index/get_image_features")
+    if inner is None or not hasattr(inner, "get_image_features"):
+        raise ModelError(f"{type(base).__name__} has no multimodal core with get_image_features")
     return inner
 
 
 def mm_token_types(inner, input_ids: torch.Tensor) -> torch.Tensor:
-    """1 on image placeholder tokens, 0 elsewhere (what the processor returns as ``mm_token_type_ids``)."""
+    """1 on the model's image tokens, 0 elsewhere (what the processor returns as ``mm_token_type_ids``, Gemma 3's
+    ``token_type_ids``)."""
     return (input_ids == inner.config.image_token_id).int()
+
+
+def image_inputs(model, input_ids: torch.Tensor, vision: VisionInputs) -> dict:
+    """The keywords the model's own forward (and ``generate``) takes the images by, for ``input_ids``."""
+    inner = vision_model(model)
+    family = vision_family(inner.config)
+    out = {family.type_ids: mm_token_types(inner, input_ids)}
+    if vision.pixel_values is not None:
+        out["pixel_values"] = vision.pixel_values
+        if family.grid:
+            out["image_grid_thw"] = vision.grid
+    return out
 
 
 def example_positions(inner, input_ids: torch.Tensor, sizes: list[int], vision: VisionInputs) -> torch.Tensor:
@@ -54,6 +68,8 @@ def image_features(inner, vision: VisionInputs):
 def packed_vision_forward(model, batch) -> torch.Tensor:
     """Final hidden states [1, T, H] of a packed batch with images."""
     inner = vision_model(model)
+    if not vision_family(inner.config).packs:
+        raise ModelError(f"{vision_family(inner.config).name} cannot be packed exactly: its batches are padded")
     impl = inner.language_model.config._attn_implementation
     if impl not in PACKED_SAFE:
         raise ModelError(f"attention implementation '{impl}' would let packed examples attend to each other")
@@ -71,20 +87,13 @@ def packed_vision_forward(model, batch) -> torch.Tensor:
 
 def padded_vision_forward(model, batch) -> torch.Tensor:
     """Final hidden states [B, L, H] of a padded batch with images (right padding): the model's own forward, which
-    places the images and makes each row's M-RoPE positions from the attention mask."""
-    inner = vision_model(model)
-    vision = batch.vision
-    out = inner(input_ids=batch.input_ids, attention_mask=batch.attention_mask, pixel_values=vision.pixel_values,
-                image_grid_thw=vision.grid if vision.pixel_values is not None else None,
-                mm_token_type_ids=mm_token_types(inner, batch.input_ids), use_cache=False)
+    places the images and makes each row's positions (and Gemma 3's image attention) from its own inputs."""
+    out = vision_model(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                              **image_inputs(model, batch.input_ids, batch.vision))
     return out.last_hidden_state
 
 
 def vision_generation_inputs(model, data: TokenizedDataset, i: int, prompt: list[int]) -> dict:
     """What ``model.generate`` needs besides the ids to answer example ``i``'s prompt about its images."""
     vision = vision_inputs(data, [i], [0], [int(data.lengths[i])])
-    ids = torch.as_tensor([prompt], dtype=torch.long)
-    out = {"mm_token_type_ids": mm_token_types(vision_model(model), ids)}
-    if vision.pixel_values is not None:
-        out.update(pixel_values=vision.pixel_values, image_grid_thw=vision.grid)
-    return out
+    return image_inputs(model, torch.as_tensor([prompt], dtype=torch.long), vision)

@@ -14,7 +14,7 @@ from leansft.core.errors import ModelError
 from leansft.core.model.attention import plain_attention
 from leansft.core.model.loss import PLAIN, HeadPrecision
 from leansft.core.batching.vision import vision_inputs
-from leansft.core.model.vision_forward import mm_token_types, vision_model
+from leansft.core.model.vision_forward import image_inputs
 
 TOLERANCE = 1e-4  # relative, on the summed loss in fp32 (the packed and plain runs differ by rounding alone)
 
@@ -34,15 +34,11 @@ def probe_examples(data: TokenizedDataset, tokens: int, most: int = 4) -> np.nda
 def plain_loss(model, data: TokenizedDataset, i: int, device) -> torch.Tensor:
     """Summed loss of example ``i`` alone, through the model's own forward (``labels``: its mean, rescaled)."""
     ids, labels = data.example(i)
-    vision = vision_inputs(data, [i], [0], [len(ids)])
+    vision = vision_inputs(data, [i], [0], [len(ids)]).to(device)
     input_ids = torch.as_tensor(ids, dtype=torch.long, device=device)[None]
     lab = torch.as_tensor(labels, dtype=torch.long, device=device)[None]
-    extra = {}
-    if vision.pixel_values is not None:
-        extra = {"pixel_values": vision.pixel_values.to(device), "image_grid_thw": vision.grid.to(device)}
     with plain_attention(model):
-        out = model(input_ids=input_ids, labels=lab, use_cache=False,
-                    mm_token_type_ids=mm_token_types(vision_model(model), input_ids), **extra)
+        out = model(input_ids=input_ids, labels=lab, use_cache=False, **image_inputs(model, input_ids, vision))
     return out.loss.float() * (lab[:, 1:] != IGNORE_INDEX).sum()
 
 

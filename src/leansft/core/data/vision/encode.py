@@ -32,24 +32,42 @@ def expand_images(ids: np.ndarray, labels: np.ndarray, image_id: int, counts: np
     return np.repeat(ids, repeat), np.where(np.repeat(ids, repeat) == image_id, IGNORE_INDEX, np.repeat(labels, repeat))
 
 
+class TextExpandingEncoder(ChatEncoder):
+    """The ChatEncoder of a family whose processor expands images in the text (Gemma 3): every rendering carries the
+    processor's image sequence in place of each image token, so tokens, spans and masks are those of the text the
+    model reads."""
+
+    def __init__(self, tokenizer, template, image_token: str, image_text: str, *options) -> None:
+        self._image = (image_token, image_text)  # before ChatEncoder's own renderings (stop tokens, probes)
+        if template.has_generation_markers:
+            raise TemplateError("a template with {% generation %} markers cannot be expanded for images here",
+                                field="data.template", hint="use the model's own chat template")
+        super().__init__(tokenizer, template, *options)
+
+    def _jinja(self, chat: list[dict], tools: list | None, gen_prompt: bool) -> str:
+        return super()._jinja(chat, tools, gen_prompt).replace(*self._image)
+
+
 class VisionEncoder:
     """``text``: the ChatEncoder of the model's tokenizer and template (content parts go to the template as they
-    are); ``image_id``: the placeholder's token id."""
+    are); ``placeholder``: the id of the token the template writes per image; ``image_id``: the model's image token
+    (``config.image_token_id``), which never carries loss."""
 
-    def __init__(self, text: ChatEncoder, family: VisionFamily, image_id: int, merge: int) -> None:
-        self.text, self.family, self.image_id, self.merge = text, family, image_id, merge
+    def __init__(self, text: ChatEncoder, family: VisionFamily, placeholder: int, image_id: int, config) -> None:
+        self.text, self.family, self.config = text, family, config
+        self.placeholder, self.image_id = placeholder, image_id
 
     def encode(self, conv, grids: np.ndarray, file: str) -> list[VisionExample]:
         """The examples of ``conv`` whose images have patch grids ``grids`` ([images, 3])."""
         if conv.text is not None:
             raise DataError("a plain-text row in a vision model's data: use messages", row=conv.row, file=file)
-        counts = self.family.tokens_per_image(grids, self.merge) if len(grids) else np.zeros(0, np.int64)
+        counts = self.family.tokens_per_image(grids, self.config) if len(grids) else np.zeros(0, np.int64)
         examples = self.text.encode([conv])[0]
         out = []
         for j, enc in enumerate(examples):
             ids, labels = (np.asarray(a, np.int64) for a in enc)
             self._check(enc, ids, labels, conv, file)
-            k = int((ids == self.image_id).sum())
+            k = int((ids == self.placeholder).sum())
             if k > len(counts):
                 raise TemplateError(f"the chat template wrote {k} image placeholders for {len(counts)} images",
                                     row=conv.row, file=file)
@@ -57,7 +75,11 @@ class VisionEncoder:
                 raise TemplateError(f"the chat template rendered {k} of the conversation's {len(counts)} images: the "
                                     "answers would be trained without the others", row=conv.row, file=file,
                                     hint="use the model's own chat template")
-            ids, labels = expand_images(ids, labels, self.image_id, counts[:k])
+            if self.family.expand == "repeat":
+                ids, labels = expand_images(ids, labels, self.placeholder, counts[:k])
+            elif int((ids == self.image_id).sum()) != int(counts[:k].sum()):  # expanded in the text already
+                raise TemplateError(f"{int((ids == self.image_id).sum())} image tokens for {k} images of "
+                                    f"{int(counts[0]) if len(counts) else 0} tokens each", row=conv.row, file=file)
             out.append(VisionExample(ids, labels, k))
         return out
 
@@ -65,7 +87,7 @@ class VisionEncoder:
         if enc.weights is not None:
             raise DataError("message loss weights between 0 and 1 are not supported with images yet", row=conv.row,
                             file=file, field="weight", hint="use weight 0 or 1 (train: false/true)")
-        if (labels[ids == self.image_id] != IGNORE_INDEX).any():
+        if (labels[(ids == self.placeholder) | (ids == self.image_id)] != IGNORE_INDEX).any():
             raise TemplateError("an image placeholder would carry loss (it sits inside a trained span)", row=conv.row,
                                 file=file)
 

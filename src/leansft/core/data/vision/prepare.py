@@ -21,7 +21,7 @@ from leansft.core.data.dataset import PrepReport, TokenizedDataset
 from leansft.core.data.formats import convert_row, detect_format, map_columns
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 from leansft.core.data.sources import parse_row, read_raw_rows
-from leansft.core.data.vision.encode import VisionEncoder
+from leansft.core.data.vision.encode import TextExpandingEncoder, VisionEncoder
 from leansft.core.data.vision.family import VisionFamily
 from leansft.core.data.vision.images import open_image
 from leansft.core.data.vision.processing import ImageProcessing, Pixels
@@ -38,23 +38,23 @@ class ImageTable:
     base: list[Path]
     grids: list[np.ndarray]  # [images, 3] each
     processing: ImageProcessing
-    lengths: np.ndarray | None = None  # each example's tokens
+    lengths: np.ndarray  # each example's tokens
+    tokens: list[np.ndarray]  # each example's images' token counts
 
     def summary(self, examples: np.ndarray) -> dict:
         """Images, their tokens and sizes over ``examples`` (stored indices): what ``leansft plan`` prints."""
+        tokens = np.concatenate([self.tokens[e] for e in examples] or [np.zeros(0, np.int64)])
         grids = [self.grids[e] for e in examples if len(self.grids[e])]
         grid = np.concatenate(grids) if grids else np.zeros((0, 3), np.int64)
-        merge = int(getattr(self.processing.processor, "merge_size", 1) or 1)
         patch = int(getattr(self.processing.processor, "patch_size", 1) or 1)
-        tokens = grid.prod(axis=1) // (merge * merge)
-        total = int(sum(self.lengths[e] for e in examples)) if self.lengths is not None else 0
+        total = int(sum(self.lengths[e] for e in examples))
         low, high = self.processing.limits
-        return {"images": len(grid), "examples_with_images": len(grids), "image_tokens": int(tokens.sum()),
+        pixels = int((grid[:, 1] * grid[:, 2]).max() * patch * patch) if grid.any() else None
+        return {"images": len(tokens), "examples_with_images": len(grids), "image_tokens": int(tokens.sum()),
                 "image_token_share": float(tokens.sum() / total) if total else 0.0,
                 "tokens_per_image_mean": float(tokens.mean()) if len(tokens) else 0.0,
                 "tokens_per_image_max": int(tokens.max()) if len(tokens) else 0,
-                "pixels_per_image_max": int((grid[:, 1] * grid[:, 2]).max() * patch * patch) if len(grid) else 0,
-                "min_pixels": low, "max_pixels": high}
+                "pixels_per_image_max": pixels, "min_pixels": low, "max_pixels": high}
 
     def pixels(self, examples: np.ndarray) -> Pixels | None:
         """The vision tower's input for the images of ``examples`` (stored indices), in order; None without any."""
@@ -86,7 +86,7 @@ def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImagePro
     if any(s.weight != 1 for s in sources) or cfg.mix.mode != "concat":
         raise ConfigError("source weights and data.mix are not supported with images yet", field="data.sources")
     report = PrepReport()
-    ids, labels, refs, bases, grids, rows, hashes, parts = [], [], [], [], [], [], [], []
+    ids, labels, refs, bases, grids, counts, rows, hashes, parts = [], [], [], [], [], [], [], [], []
     seen: set[int] = set()
     for part, src in enumerate(sources):
         meta = {"path": src.path, "rows_read": 0, "bad_rows": 0, "bad_row_examples": [], "images": 0}
@@ -135,6 +135,7 @@ def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImagePro
                 refs.append(conv.images[: ex.images])
                 bases.append(base)
                 grids.append(grid[: ex.images])
+                counts.append(encoder.family.tokens_per_image(grid[: ex.images], encoder.config))
                 rows.append(number)
                 hashes.append(h)
                 parts.append(part)
@@ -151,7 +152,8 @@ def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImagePro
                         f"{report.duplicates_removed} duplicates, {sum(s['bad_rows'] for s in report.sources)} bad",
                         field="data.sources")
     report.examples = len(ids)
-    return _dataset(ids, labels, rows, hashes, ImageTable(refs, bases, grids, processing, np.array([len(i) for i in ids]))), report
+    table = ImageTable(refs, bases, grids, processing, np.array([len(i) for i in ids]), counts)
+    return _dataset(ids, labels, rows, hashes, table), report
 
 
 def _dataset(ids: list[np.ndarray], labels: list[np.ndarray], rows: list[int], hashes: list[int],
@@ -165,17 +167,24 @@ def _dataset(ids: list[np.ndarray], labels: list[np.ndarray], rows: list[int], h
 
 
 def vision_encoder(tokenizer, template: ChatTemplate, family: VisionFamily, config, cfg: DataConfig) -> VisionEncoder:
-    from leansft.core.data.vision.family import merge_size
-
-    text = ChatEncoder(tokenizer, template, cfg.loss_on, cfg.reasoning, cfg.multi_turn, cfg.special_tokens_in_content)
-    image_id = tokenizer.convert_tokens_to_ids(family.image_token)
-    if image_id is None or image_id == tokenizer.unk_token_id:
+    """The encoder of a vision model's conversations, after checking that tokenizer and model agree on the image
+    tokens."""
+    options = (cfg.loss_on, cfg.reasoning, cfg.multi_turn, cfg.special_tokens_in_content)
+    placeholder = tokenizer.convert_tokens_to_ids(family.image_token)
+    if placeholder is None or placeholder == tokenizer.unk_token_id:
         raise ConfigError(f"the tokenizer has no {family.image_token} token ({family.name}'s image placeholder)",
                           field="tokenizer")
-    if image_id != getattr(config, "image_token_id", image_id):
-        raise ConfigError(f"the tokenizer's {family.image_token} is id {image_id}, the model's image_token_id is "
-                          f"{config.image_token_id}: tokenizer and model disagree", field="tokenizer")
-    return VisionEncoder(text, family, int(image_id), merge_size(config))
+    image_id = int(config.image_token_id)
+    expected = image_id if family.expand == "repeat" else int(config.boi_token_index)
+    if placeholder != expected:
+        raise ConfigError(f"the tokenizer's {family.image_token} is id {placeholder}, the model's is {expected}: "
+                          "tokenizer and model disagree", field="tokenizer")
+    if family.expand == "text":
+        text = TextExpandingEncoder(tokenizer, template, family.image_token, family.image_text(tokenizer, config),
+                                    *options)
+    else:
+        text = ChatEncoder(tokenizer, template, *options)
+    return VisionEncoder(text, family, int(placeholder), image_id, config)
 
 
 def vision_config_of(spec: str, trust_remote_code: bool = False):

@@ -38,12 +38,21 @@ class ImageProcessing:
         except Exception as err:
             raise ModelError(f"cannot load the model's image processor: {type(err).__name__}: {str(err)[:300]}",
                              file=model_path, hint="a vision model's folder holds preprocessor_config.json") from None
+        if limits and self.limits == (None, None):
+            raise ConfigError("vision.min_pixels / max_pixels: this model's processor resizes every image to one size",
+                              field="vision.max_pixels")
 
     @property
-    def limits(self) -> tuple[int, int]:
+    def limits(self) -> tuple[int | None, int | None]:
+        """(min, max) pixels of a resized image where the processor resizes within limits (Qwen2-VL), else
+        (None, None): every image to one size (Gemma 3)."""
         size = self.processor.size
+        if "shortest_edge" not in size or "longest_edge" not in size:
+            return None, None
         return int(size["shortest_edge"]), int(size["longest_edge"])
 
     def __call__(self, images: list[Image.Image]) -> Pixels:
         out = self.processor(images=images, return_tensors="pt")
-        return Pixels(out["pixel_values"], out["image_grid_thw"].numpy().astype(np.int64))
+        grid = out.get("image_grid_thw")  # without one (Gemma 3), a row of zeros per image
+        grid = grid.numpy().astype(np.int64) if grid is not None else np.zeros((len(out["pixel_values"]), 3), np.int64)
+        return Pixels(out["pixel_values"], grid)
