@@ -341,3 +341,15 @@ def test_gemma3_trains_on_padded_batches(demo, arch, tmp_path, caplog):
                      "checkpoint.export=false"]) == 0
     assert "training with sorted (padded) batches instead" in caplog.text
     assert "padded examples with 4 images" in caplog.text and "= each alone" in caplog.text
+
+
+def test_another_vision_model_trains_on_text_as_before(tmp_path):
+    """A vision model of an unsupported family (LLaVA here) keeps the text path: loaded as a causal LM, its data's
+    images refused by the converter, not the whole model refused."""
+    from transformers import LlavaConfig
+
+    from leansft.core.data.vision.family import trains_images
+    from leansft.core.data.vision.prepare import vision_config_of
+
+    LlavaConfig().save_pretrained(tmp_path)
+    assert not trains_images(LlavaConfig()) and vision_config_of(str(tmp_path)) is None

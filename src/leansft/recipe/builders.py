@@ -18,7 +18,7 @@ from leansft.core import cpu, distributed
 from leansft.core.batching.collate import collate_packed, collate_padded
 from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
 from leansft.core.data.dataset import TokenizedDataset
-from leansft.core.data.vision.family import is_vision_model, vision_family
+from leansft.core.data.vision.family import trains_images, vision_family
 from leansft.core.errors import ConfigError, LeanSFTError
 from leansft.core.model.attention import choose_backend, use_packed_attention, use_plain_attention
 from leansft.core.model.bf16_base import confirm_bf16_base, holds_bf16_base, load_base_in_bf16, store_base_in_bf16
@@ -133,7 +133,7 @@ def build_model(cfg: RunConfig, device: torch.device, packed: bool, model_path: 
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if t.gradient_checkpointing:
         model.config.use_cache = False
-    family = vision_family(model.config) if is_vision_model(model.config) else None
+    family = vision_family(model.config) if trains_images(model.config) else None
     if family is not None and t.method == "full":
         log.info("vision model: %d parameters of the frozen parts stay as loaded", freeze_untrained(model, family,
                                                                                                     cfg.vision))
@@ -183,7 +183,7 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int,
             raise ConfigError("distributed.context_parallel with images is not supported: a row's images cannot be "
                               "split over ranks", field="distributed.context_parallel")
         family = vision_family(model.config)
-        if strategy in PACKED_STRATEGIES and not family.packs:
+        if strategy in PACKED_STRATEGIES and not family.packs and any(map(len, data.store.images.refs)):
             log.warning("%s: packed rows would not be exact (its image tokens attend to each other both ways); "
                         "training with sorted (padded) batches instead", family.name)
             strategy = "sorted"

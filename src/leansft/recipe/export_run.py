@@ -19,7 +19,7 @@ from leansft.core import distributed
 from leansft.core.config import load_config
 from leansft.core.data.masking import ChatTemplate, resolve_template, stop_token_ids
 from leansft.core.data.tokenizer import load_tokenizer
-from leansft.core.data.vision.family import is_vision_model
+from leansft.core.data.vision.family import trains_images
 from leansft.core.data.vision.processing import ImageProcessing
 from leansft.core.errors import LeanSFTError
 from leansft.core.gguf.write import convert
@@ -141,7 +141,7 @@ def export_source(source: str, to: str, out: str, dtype: str = "f16", overwrite:
     model, tokenizer, template, cfg = load_source(source, checkpoint, trust_remote_code, base_model, cfg)
     chat = template or ChatTemplate("tokenizer", tokenizer.chat_template or "")
     images = None
-    if is_vision_model(model.config):
+    if trains_images(model.config):
         if to == "gguf":
             raise LeanSFTError("GGUF for a vision-language model is not supported yet (the language model and its "
                                "mmproj file are two conversions)", file=source,

@@ -132,12 +132,13 @@ def _answer_about_images(args, model, tok, template, settings) -> int:
 
 def _image_asker(args, model, tok, template, settings):
     """``ask(messages, images)``: the model's answer to a conversation whose image parts are ``images``."""
-    from leansft.core.data.vision.family import is_vision_model
+    from leansft.core.data.vision.family import trains_images
     from leansft.core.data.vision.processing import ImageProcessing
     from leansft.core.inference.images import image_prompt
 
-    if not is_vision_model(model.config):
-        raise LeanSFTError(f"images need a vision-language model; {args.model} is a text model", field="--image")
+    if not trains_images(model.config):
+        raise LeanSFTError(f"images need a vision-language model leansft supports (docs/vision.md); {args.model} is "
+                           "not one", field="--image")
     processing = ImageProcessing(_processor_folder(args.model))
 
     def ask(messages: list[dict], images: list[str]) -> str:

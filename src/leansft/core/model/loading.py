@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from leansft.core.data.vision.family import is_vision_model
+from leansft.core.data.vision.family import trains_images
 from leansft.core.errors import ModelError
 from leansft.core.gguf.read import complete_from_gguf
 from leansft.core.paths import HUB_HINT, default_cache_dir, hub_unreachable, resolve_package_path
@@ -112,7 +112,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: Path | 
     try:
         with phase(f"loading {spec} ({str(dtype).removeprefix('torch.')})"):
             auto = AutoModelForCausalLM
-            if path.is_dir() and is_vision_model(load_model_config(spec, trust_remote_code)):
+            if path.is_dir() and trains_images(load_model_config(spec, trust_remote_code)):
                 from transformers import AutoModelForImageTextToText as auto  # vision tower + language model
             return auto.from_pretrained(spec, dtype=dtype, local_files_only=path.exists() or hub_unreachable(),
                                         trust_remote_code=trust_remote_code, **place)

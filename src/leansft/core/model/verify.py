@@ -30,7 +30,7 @@ from leansft.core.batching.collate import PackedBatch, PaddedBatch
 from leansft.core.config import PACKED_STRATEGIES
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
-from leansft.core.data.vision.family import is_vision_model, vision_family
+from leansft.core.data.vision.family import trains_images, vision_family
 from leansft.core.errors import ModelError
 from leansft.core.model.as_shipped import as_shipped
 from leansft.core.model.attention import HALF_ONLY, PACKED_SAFE, plain_attention
@@ -126,7 +126,7 @@ def position_capacity(model) -> int | None:
     can embed; None for rotary, ALiBi or sinusoidal positions computed for any length. A vision tower's table
     (its patches') is not the text's."""
     config = getattr(model, "config", None)
-    family = vision_family(config) if config is not None and is_vision_model(config) else None
+    family = vision_family(config) if config is not None and trains_images(config) else None
     text = (lambda name: family.part(name) == "language") if family is not None else (lambda name: True)
     sizes = [m.num_embeddings - int(getattr(m, "offset", 0)) for name, m in model.named_modules()
              if isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES and text(name)]

@@ -68,8 +68,9 @@ def image_features(inner, vision: VisionInputs):
 def packed_vision_forward(model, batch) -> torch.Tensor:
     """Final hidden states [1, T, H] of a packed batch with images."""
     inner = vision_model(model)
-    if not vision_family(inner.config).packs:
-        raise ModelError(f"{vision_family(inner.config).name} cannot be packed exactly: its batches are padded")
+    family = vision_family(inner.config)
+    if not family.packs and batch.vision.pixel_values is not None:
+        raise ModelError(f"{family.name} cannot be packed exactly with images: its batches with images are padded")
     impl = inner.language_model.config._attn_implementation
     if impl not in PACKED_SAFE:
         raise ModelError(f"attention implementation '{impl}' would let packed examples attend to each other")
@@ -77,9 +78,10 @@ def packed_vision_forward(model, batch) -> torch.Tensor:
     sizes = segment_sizes(batch.cu_seqlens)
     vision = batch.vision
     features = image_features(inner, vision)
-    out = inner(input_ids=batch.input_ids, position_ids=example_positions(inner, batch.input_ids, sizes, vision),
-                mm_encoder_outputs={"image": features} if features is not None else None,
-                mm_token_type_ids=mm_token_types(inner, batch.input_ids), use_cache=False,
+    positions = example_positions(inner, batch.input_ids, sizes, vision) if family.grid else batch.position_ids
+    images = {"mm_encoder_outputs": {"image": features}} if features is not None else {}
+    out = inner(input_ids=batch.input_ids, position_ids=positions, **images,
+                **{family.type_ids: mm_token_types(inner, batch.input_ids)}, use_cache=False,
                 cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
                 max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
     return out.last_hidden_state

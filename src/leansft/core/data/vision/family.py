@@ -75,6 +75,12 @@ def is_vision_model(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def trains_images(config) -> bool:
+    """Whether leansft trains this model with images: a vision model of a supported family. Another vision model
+    (Llama 4, Mistral 3, LLaVA, ...) trains on text as before, its images refused by the data's converter."""
+    return is_vision_model(config) and getattr(config, "model_type", None) in SUPPORTED
+
+
 def vision_family(config) -> VisionFamily:
     """The family of a vision model's config, or a ``ModelError`` naming an unsupported architecture."""
     kind = getattr(config, "model_type", "?")

@@ -188,10 +188,11 @@ def vision_encoder(tokenizer, template: ChatTemplate, family: VisionFamily, conf
 
 
 def vision_config_of(spec: str, trust_remote_code: bool = False):
-    """The model config at ``spec`` where it is a local model folder of a vision model, else None."""
+    """The model config at ``spec`` where it is a local model folder of a vision model leansft trains with images
+    (``trains_images``), else None: the text path."""
     from transformers import AutoConfig
 
-    from leansft.core.data.vision.family import is_vision_model
+    from leansft.core.data.vision.family import trains_images
 
     if not (Path(spec) / "config.json").is_file() or "vision_config" not in (Path(spec) / "config.json").read_text():
         return None
@@ -199,4 +200,4 @@ def vision_config_of(spec: str, trust_remote_code: bool = False):
         config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except Exception as err:
         raise ModelError(f"cannot load model config: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
-    return config if is_vision_model(config) else None
+    return config if trains_images(config) else None
