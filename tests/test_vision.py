@@ -353,3 +353,13 @@ def test_another_vision_model_trains_on_text_as_before(tmp_path):
 
     LlavaConfig().save_pretrained(tmp_path)
     assert not trains_images(LlavaConfig()) and vision_config_of(str(tmp_path)) is None
+
+
+def test_text_only_data_of_a_vision_model_takes_the_text_path(rows, tmp_path):
+    from leansft.core.config import SourceConfig
+    from leansft.core.data.vision.prepare import sources_have_images
+
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps(ROWS[2]) + "\n")
+    assert not sources_have_images([SourceConfig(path=str(text))])
+    assert sources_have_images([SourceConfig(path=str(text)), SourceConfig(path=str(rows))])

@@ -2,7 +2,8 @@
 
 tokenizer spec -> tokenizer -> chat template -> tokenised, masked, cleaned dataset (cached; rank 0
 first under torchrun so the cache is built once) -> optional held-out split or eval file. A vision model's folder
-(a config with a ``vision_config``) takes its data with images through ``core/vision/data.py``.
+(a supported family) takes data with images through ``core/data/vision/prepare.py``; its text-only data, and every
+other model's, take the text path.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from leansft.core.data.dataset import PrepReport, TokenizedDataset, build_datase
 from leansft.core.data.masking import ChatTemplate, resolve_template
 from leansft.core.data.tokenizer import load_tokenizer
 from leansft.core.data.vision.family import vision_family
-from leansft.core.data.vision.prepare import prepare_vision, vision_config_of, vision_encoder
+from leansft.core.data.vision.prepare import prepare_vision, sources_have_images, vision_config_of, vision_encoder
 from leansft.core.data.vision.processing import ImageProcessing
 from leansft.core.paths import cache_dir
 
@@ -95,7 +96,8 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
     tokenizer = load_tokenizer(tokenizer_spec, trust_remote_code)
     template = resolve_template(tokenizer, cfg.template)
     config = vision_config_of(model_spec or tokenizer_spec, trust_remote_code)
-    if config is not None:
+    read = cfg.sources + ([SourceConfig(path=cfg.eval_file)] if holdout and cfg.eval_file else [])
+    if config is not None and sources_have_images(read):
         return _prepare_vision(cfg, tokenizer, template, config, model_spec or tokenizer_spec, vision, seed, holdout)
     eval_data = None
     folder = cache_dir(cfg.cache_dir)

@@ -187,6 +187,20 @@ def vision_encoder(tokenizer, template: ChatTemplate, family: VisionFamily, conf
     return VisionEncoder(text, family, int(placeholder), image_id, config)
 
 
+_IMAGE_MARKS = ('"image', "<image>", "'image")  # an images column, image parts, image_url, placeholders
+
+
+def sources_have_images(sources: list[SourceConfig]) -> bool:
+    """Whether any row of ``sources`` may hold an image (its text names one): a vision model's text-only data keeps
+    the text path (the token cache, mixtures, packing); a false alarm only takes the image path for text rows."""
+    for src in sources:
+        for _, raw in read_raw_rows(src.path, src.split):
+            text = raw if isinstance(raw, str) else json.dumps(raw, default=str)
+            if any(mark in text for mark in _IMAGE_MARKS):
+                return True
+    return False
+
+
 def vision_config_of(spec: str, trust_remote_code: bool = False):
     """The model config at ``spec`` where it is a local model folder of a vision model leansft trains with images
     (``trains_images``), else None: the text path."""
