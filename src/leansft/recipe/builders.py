@@ -174,7 +174,7 @@ def verified_strategy(cfg: RunConfig, model, data: TokenizedDataset, pad: int,
     logged), or raise a clear error."""
     check_vocabulary(model, data)
     strategy = cfg.batching.strategy
-    if data.store.images is not None:  # a vision model's data: packed whole examples, checked per example
+    if data.store.images is not None:  # data with images: whole examples (packed or padded), checked per example
         if strategy in SPLITTING_STRATEGIES:
             raise ConfigError(f"batching.strategy {strategy} with images: it cuts examples, and an image's tokens "
                               "must stay with their image (bfd packs whole examples; sorted and padded pad them)",
