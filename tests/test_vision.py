@@ -326,11 +326,10 @@ def test_doctor_checks_the_examples_with_their_images(demo, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma3"], indirect=True)
 def test_gemma3_trains_on_padded_batches(demo, arch, tmp_path, caplog):
     """Gemma 3's image tokens attend to each other both ways: bfd falls back to sorted (padded) batches, checked
     against each example alone before step 1, and trains."""
-    if "gemma3" not in arch.name:
-        pytest.skip("Gemma 3's case")
     from leansft.tools.cli import main
 
     config = tmp_path / "vision.yaml"

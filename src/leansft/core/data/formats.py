@@ -89,11 +89,11 @@ def _text_of_parts(r: _Row, where: str, parts: list, role: str = "user") -> str 
             out.append({"type": "text", "text": part})
         elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
             out.append({"type": "text", "text": part["text"]})
-        elif r.images is not None and image_part(part)[0]:
+        elif r.images is not None and (found := image_part(part))[0]:
             if role != "user":
                 raise r.error(f"{where}[{j}]", f"an image in a {role} message: only user messages may hold images "
                                                "(an answer's image cannot be generated, nor trained on)")
-            ref = image_part(part)[1]
+            ref = found[1]
             if ref is None:
                 r.images.placeholders += 1  # its file is in the row's images column
             elif not isinstance(ref, str) or not ref.strip():

@@ -29,7 +29,8 @@ def expand_images(ids: np.ndarray, labels: np.ndarray, image_id: int, counts: np
         raise ValueError(f"{len(at)} image placeholders for {len(counts)} images")
     repeat = np.ones(len(ids), np.int64)
     repeat[at] = counts
-    return np.repeat(ids, repeat), np.where(np.repeat(ids, repeat) == image_id, IGNORE_INDEX, np.repeat(labels, repeat))
+    ids = np.repeat(ids, repeat)
+    return ids, np.where(ids == image_id, IGNORE_INDEX, np.repeat(labels, repeat))
 
 
 class TextExpandingEncoder(ChatEncoder):

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from leansft.core.config import DataConfig, SourceConfig
+from leansft.core.data.clean import content_hash
 from leansft.core.data.dataset import PrepReport, TokenizedDataset
 from leansft.core.data.formats import convert_row, detect_format, map_columns
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
@@ -70,10 +71,10 @@ class ImageTable:
 
 
 def _hash(conv, images: list[str]) -> int:
-    """The conversation and its images' references: the same text about another image is another example."""
-    text = json.dumps([conv.messages, images, conv.tools], sort_keys=True, ensure_ascii=False)
-    return int.from_bytes(hashlib.blake2b(" ".join(text.casefold().split()).encode(), digest_size=8).digest(),
-                          "little", signed=True)
+    """``content_hash`` of the conversation (as the text path dedupes) with its images' files: the same text about
+    another image is another example."""
+    key = json.dumps([content_hash(conv), images], ensure_ascii=False)
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImageProcessing,
