@@ -119,7 +119,7 @@ def rows(tmp_path_factory) -> Path:
 
 def prepared(folder: Path, parts, path: Path, **data):
     tok, model = parts
-    cfg = DataConfig(sources=[str(path)], max_length=512, **data)
+    cfg = DataConfig(sources=[str(path)], **{"max_length": 512, **data})
     encoder = vision_encoder(tok, resolve_template(tok, None), vision_family(model.config), model.config, cfg)
     return prepare_vision(cfg, encoder, ImageProcessing(str(folder)))
 
@@ -289,6 +289,9 @@ def test_train_resume_export_generate(demo, tmp_path, capsys, monkeypatch):
                          mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=4,
                          do_sample=False)
     assert out.shape[1] > ids.shape[1]
+    # leansft export of the run folder carries the image processor too
+    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "preprocessor_config.json").is_file()
     # leansft generate --image on the same folder; GGUF refused in one line, nothing written
     Image.new("RGB", (64, 64), (220, 30, 30)).save(tmp_path / "red.png")
     assert main(["generate", str(final), "--image", str(tmp_path / "red.png"), "--prompt", "Colour?",
@@ -362,3 +365,35 @@ def test_text_only_data_of_a_vision_model_takes_the_text_path(rows, tmp_path):
     text.write_text(json.dumps(ROWS[2]) + "\n")
     assert not sources_have_images([SourceConfig(path=str(text))])
     assert sources_have_images([SourceConfig(path=str(text)), SourceConfig(path=str(rows))])
+
+
+def test_what_images_cannot_do_yet_is_refused(demo, parts, rows, tmp_path):
+    """Over-long examples are dropped and counted (never cut through an image); PII scrubbing, source weights and a
+    fixed-size processor given resolution limits are one clear error each."""
+    from leansft.core.config import SourceConfig
+    from leansft.core.errors import ConfigError
+
+    data, report = prepared(demo / "model", parts, rows, max_length=40)
+    assert report.dropped_over_length >= 1 and all(n <= 40 for n in data.lengths)
+    with pytest.raises(ConfigError, match="pii_scrub is not supported with images"):
+        prepared(demo / "model", parts, rows, clean={"pii_scrub": True})
+    tok, model = parts
+    cfg = DataConfig(sources=[SourceConfig(path=str(rows), weight=2.0)])
+    encoder = vision_encoder(tok, resolve_template(tok, None), vision_family(model.config), model.config, cfg)
+    with pytest.raises(ConfigError, match="source weights and data.mix are not supported with images"):
+        prepare_vision(cfg, encoder, ImageProcessing(str(demo / "model")))
+    from transformers import Gemma3ImageProcessorPil
+
+    Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="resizes every image to one size"):
+        ImageProcessing(str(tmp_path), max_pixels=12544)
+
+
+@pytest.mark.slow
+def test_strategies_that_cut_examples_are_refused_with_images(demo, tmp_path, capsys):
+    from leansft.tools.cli import main
+
+    config = tmp_path / "vision.yaml"
+    config.write_text((ROOT / "examples" / "vision.yaml").read_text().replace("runs/vision-demo", str(demo)))
+    assert main(["train", str(config), f"output_dir={tmp_path / 'run'}", "batching.strategy=bfd_split"]) == 2
+    assert "batching.strategy bfd_split with images: it cuts examples" in capsys.readouterr().err
