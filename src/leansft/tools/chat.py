@@ -11,8 +11,11 @@ from pathlib import Path
 import yaml
 
 from leansft.core.data.sources import read_rows
+from leansft.core.data.vision.family import trains_images
+from leansft.core.data.vision.processing import ImageProcessing
 from leansft.core.errors import LeanSFTError
 from leansft.core.inference.generation import ChatSettings, generate
+from leansft.core.inference.images import image_prompt, user_message
 from leansft.recipe.system_prompt import trained_system_prompt
 
 
@@ -121,8 +124,6 @@ def generate_answers(args, source) -> int:
 
 def _answer_about_images(args, model, tok, template, settings) -> int:
     """``generate MODEL --image PATH [--image PATH] --prompt TEXT``: a vision model answers about the pictures."""
-    from leansft.core.inference.images import user_message
-
     if args.source_file or not args.prompt or len(args.prompt) != 1:
         raise LeanSFTError("--image takes one --prompt (the question about the pictures)", field="--image")
     ask = _image_asker(args, model, tok, template, settings)
@@ -132,10 +133,6 @@ def _answer_about_images(args, model, tok, template, settings) -> int:
 
 def _image_asker(args, model, tok, template, settings):
     """``ask(messages, images)``: the model's answer to a conversation whose image parts are ``images``."""
-    from leansft.core.data.vision.family import trains_images
-    from leansft.core.data.vision.processing import ImageProcessing
-    from leansft.core.inference.images import image_prompt
-
     if not trains_images(model.config):
         raise LeanSFTError(f"images need a vision-language model leansft supports (docs/vision.md); {args.model} is "
                            "not one", field="--image")
@@ -172,8 +169,6 @@ CHAT_HELP = """commands:
 
 def chat(args, source) -> int:
     """``leansft chat``: a conversation at the terminal, with the commands of ``CHAT_HELP``."""
-    from leansft.core.inference.images import user_message
-
     model, tok, template, settings = settings_of(args, source, print)
     history: list[dict] = []
     images: list[str] = []  # the conversation's pictures, in order

@@ -8,12 +8,13 @@ import numpy as np
 import torch
 
 from leansft.core.batching.collate import collate_packed, collate_padded
+from leansft.core.batching.vision import vision_inputs
 from leansft.core.data.dataset import TokenizedDataset
 from leansft.core.data.masking import IGNORE_INDEX
 from leansft.core.errors import ModelError
 from leansft.core.model.attention import plain_attention
+from leansft.core.model.forward import LossModule
 from leansft.core.model.loss import PLAIN, HeadPrecision
-from leansft.core.batching.vision import vision_inputs
 from leansft.core.model.vision_forward import image_inputs
 
 TOLERANCE = 1e-4  # relative, on the summed loss in fp32 (the packed and plain runs differ by rounding alone)
@@ -47,20 +48,18 @@ def verify_vision(model, data: TokenizedDataset, tokens: int, precision: HeadPre
                   pad: int | None = None) -> str:
     """A line saying what was checked; a ``ModelError`` where the batch's loss is not the per-example one. ``pad``:
     the pad id of a padded run (its batches are checked), else the packed ones are."""
-    from leansft.core.model.forward import LossModule
-
     picked = probe_examples(data, tokens)
     device = next(model.parameters()).device
     batch = (collate_padded(data, picked, pad) if pad is not None else
              collate_packed(data, picked, np.zeros(len(picked), np.int64), data.lengths[picked])).to(device)
-    packed = float(LossModule(model, precision=precision)(batch))
+    batched = float(LossModule(model, precision=precision)(batch))
     alone = float(sum(plain_loss(model, data, int(i), device) for i in picked))
-    gap = abs(packed - alone) / max(abs(alone), 1e-12)
+    gap = abs(batched - alone) / max(abs(alone), 1e-12)
     images = sum(len(data.store.images.refs[data.index[i]]) for i in picked)
     kind = "padded" if pad is not None else "packed"
     if gap > TOLERANCE:
-        raise ModelError(f"{kind} examples with images give a loss {packed:.6g}, each alone {alone:.6g} (relative gap "
+        raise ModelError(f"{kind} examples with images give a loss {batched:.6g}, each alone {alone:.6g} (relative gap "
                          f"{gap:.2e}): {kind} batches are not exact for this model", field="batching.strategy",
                          hint="report it; training.verify: skip trains anyway")
-    return (f"{len(picked)} {kind} examples with {images} images: loss {packed:.6g} = each alone {alone:.6g} "
+    return (f"{len(picked)} {kind} examples with {images} images: loss {batched:.6g} = each alone {alone:.6g} "
             f"(relative gap {gap:.1e})")
