@@ -17,6 +17,7 @@ rewrites it, and ``test_readme_support_table_is_current`` fails when it is stale
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import sys
 import warnings
@@ -238,7 +239,7 @@ def test_examples_past_a_rotary_models_context_train_with_a_warning(caplog):
     model = tiny("llama", max_position_embeddings=64)
     with caplog.at_level("WARNING", logger="leansft"):
         check_position_table(model, 64)
-        assert not caplog.records
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # (the model's set-up may log INFO)
         check_position_table(model, 100)
     assert "examples of 100 tokens, longer than" in caplog.text and "context of 64 positions" in caplog.text
 
