@@ -315,6 +315,8 @@ def test_torch_varlen_call_fits_the_installed_torch(monkeypatch, enable_gqa_para
     fake = _fake_varlen_attn(enable_gqa_param)
     monkeypatch.setattr(varlen, "varlen_attn", fake)
     monkeypatch.setattr(attention, "_torch_varlen_options", lambda: frozenset(inspect.signature(fake).parameters))
+    # decided as use_packed_attention decides it for this torch (an earlier test's model left the real torch's)
+    monkeypatch.setitem(attention._GQA, "mode", attention.gqa_mode(torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 20, 16, generator=g).bfloat16().float() for h in (4, 2, 2))
     cu = torch.tensor([0, 5, 12, 20])
