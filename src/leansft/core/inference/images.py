@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from leansft.core.batching.vision import VisionInputs
 from leansft.core.data.masking import IGNORE_INDEX, ChatTemplate
 from leansft.core.data.vision.encode import expand_images
-from leansft.core.batching.vision import VisionInputs
 from leansft.core.data.vision.family import vision_family
 from leansft.core.data.vision.images import open_image
 from leansft.core.data.vision.processing import ImageProcessing
