@@ -61,6 +61,9 @@ class SourceConfig(_Strict):
     columns: dict[str, str] = Field(default_factory=dict,
                                     description="the format's keys from other columns, e.g. {prompt: question, "
                                                 "completion: answer} for a question,answer CSV")
+    streaming: bool = Field(False, description="read and prepare the source while training runs, a window at a "
+                            "time, never cached whole (a .jsonl/.parquet file, a folder of them, or a saved dataset "
+                            "folder); needs training.max_steps")
 
 
 class CleanConfig(_Strict):
@@ -82,12 +85,21 @@ class MixConfig(_Strict):
         "share of what `by` counts")
     by: Literal["tokens", "examples"] = Field("tokens", description="interleave: a share counts target tokens "
                                               "(loss tokens, after cleaning and truncation) or examples")
-    stop: Literal["all_exhausted", "first_exhausted"] = Field(
+    stop: Literal["all_exhausted", "first_exhausted", "steps"] = Field(
         "all_exhausted", description="interleave: all_exhausted sizes the mix so every example of every source is "
         "in it at least once (the smaller shares' sources repeated); first_exhausted so no example is repeated "
-        "(the larger shares' sources thinned)")
+        "(the larger shares' sources thinned); steps: the sources repeat as long as the run goes "
+        "(training.max_steps), each at its share")
     warn_repeats: float = Field(4.0, gt=0, description="warn where a source's examples are each in the mix more "
                                 "than this many times (an epoch of the mix)")
+
+
+class StreamConfig(_Strict):
+    """How streaming sources (``sources[*].streaming``) are read while training runs (data.stream)."""
+
+    window: int = Field(10_000, gt=0, description="examples mixed, deduplicated, packed and shuffled together: the "
+                        "larger, the fuller the packed rows and the better the shuffle, at more memory")
+    ahead: int = Field(2, gt=0, description="shards per worker prepared ahead of the trainer (the buffer)")
 
 
 class DataConfig(_Strict):
@@ -126,6 +138,7 @@ class DataConfig(_Strict):
                                               "LEANSFT_CACHE)")
     num_workers: int | None = Field(None, ge=1, description="processes preparing data (default: every core); "
                                     "the result does not depend on it")
+    stream: StreamConfig = Field(default_factory=StreamConfig)
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -400,6 +413,13 @@ class RunConfig(_Strict):
         if self.training.method == "qlora" and self.training.lora.init in ("pissa", "olora"):
             raise ValueError(f"training.lora.init {self.training.lora.init} rewrites the base weights, which a 4-bit "
                              "base cannot hold exactly; use init default or gaussian with qlora")
+        return self
+
+    @model_validator(mode="after")
+    def _streaming_has_an_end(self):
+        if any(s.streaming for s in self.data.sources) and self.training.max_steps is None:
+            raise ValueError("a streaming source (data.sources[*].streaming) has no known length before it is read "
+                             "through: set training.max_steps")
         return self
 
     @model_validator(mode="after")

@@ -1,7 +1,8 @@
 """The training order: per epoch a seeded plan, its rows shuffled, grouped into micro-batches.
 
 Everything is a function of (seed, epoch), so a data position is just (epoch, micro-batch index)
-and a resumed run regenerates exactly the same sequence.
+and a resumed run regenerates exactly the same sequence. A streaming run (``StreamBatcher``) plans each window of
+its stream as an epoch is planned; its position is the stream's state at the window holding the next micro-batch.
 """
 
 from __future__ import annotations
@@ -18,12 +19,21 @@ from leansft.core.batching.context_shard import context_shard
 from leansft.core.batching.packing import PACKED, PackPlan, deal_to_ranks, micro_batches, pack
 from leansft.core.config import BatchingConfig
 from leansft.core.data.dataset import TokenizedDataset
+from leansft.core.data.stream import Stream
 
 
 @dataclass
 class Position:
     epoch: int = 0
-    index: int = 0  # next micro-batch within the epoch
+    index: int = 0  # next micro-batch within the epoch (a stream: micro-batches since the start)
+    stream: dict | None = None  # a stream's state at the window holding the next micro-batch, and ``skip`` into it
+
+
+def deal(tokens: list[int], world_size: int, rank: int) -> list[int]:
+    """Which of one global step's micro-batches (``tokens`` each) are this rank's: dealt by tokens, in order."""
+    if world_size == 1:
+        return list(range(len(tokens)))
+    return sorted(deal_to_ranks(np.asarray(tokens), world_size)[rank])
 
 
 class Batcher:
@@ -66,8 +76,8 @@ class Batcher:
         """
         if self.world_size == 1:
             return step_groups
-        tokens = np.array([int(plan.row_tokens[g].sum()) for g in step_groups])
-        return [step_groups[i] for i in sorted(deal_to_ranks(tokens, self.world_size)[self.rank])]
+        tokens = [int(plan.row_tokens[g].sum()) for g in step_groups]
+        return [step_groups[i] for i in deal(tokens, self.world_size, self.rank)]
 
     def collate(self, plan: PackPlan, rows: np.ndarray) -> PackedBatch | PaddedBatch:
         if self.packed:
@@ -90,6 +100,63 @@ class Batcher:
             mine = self._mine(plan, groups[index : index + per_step])
             index += per_step
             yield [self.collate(plan, g) for g in mine], Position(epoch, index)
+
+
+@dataclass
+class _Group:
+    """One micro-batch of a stream's window, and the stream's state after it."""
+
+    batcher: Batcher
+    plan: PackPlan
+    rows: np.ndarray
+    after: dict  # the window's start, ``skip`` past this micro-batch
+    count: int  # micro-batches in the window
+    end: dict  # the stream's state after the window
+
+
+class StreamBatcher:
+    """A streaming run's order: each window of the stream planned as ``Batcher`` plans an epoch (window w of epoch e
+    with seed ``seed + 1000 e + 7919 w``, so a window holding a whole source plans as the cached run's epoch), and its
+    micro-batches one sequence across windows and epochs: a step may take the last micro-batches of one window and
+    the first of the next, and none is dropped."""
+
+    def __init__(self, stream: Stream, cfg: BatchingConfig, max_length: int, pad_id: int, seed: int,
+                 rank: int = 0, world_size: int = 1, context: tuple[int, int] = (0, 1)) -> None:
+        self.stream, self.cfg, self.max_length, self.pad_id, self.seed = stream, cfg, max_length, pad_id, seed
+        self.rank, self.world_size, self.context = rank, world_size, context
+
+    @property
+    def packed(self) -> bool:
+        return self.cfg.strategy in PACKED
+
+    def _groups(self, state: dict) -> Iterator[_Group]:
+        """The micro-batches of the windows from ``state`` on, the first ``state['skip']`` of its window left out."""
+        skip = state.get("skip", 0)
+        for window in self.stream.windows(state):
+            epoch, number = window.start["epoch"], window.start["window"]
+            batcher = Batcher(window.data, self.cfg, self.max_length, self.pad_id,
+                              self.seed + 1000 * epoch + 7919 * number, self.rank, self.world_size, self.context)
+            plan, groups = batcher.epoch_plan(0)
+            for k in range(skip, len(groups)):
+                yield _Group(batcher, plan, groups[k], {**window.start, "skip": k + 1}, len(groups), window.end)
+            skip = 0
+
+    def steps(self, pos: Position, accumulation: int) -> Iterator[tuple[list[PackedBatch | PaddedBatch], Position]]:
+        """As ``Batcher.steps``: (this rank's micro-batches of one optimizer step, the position after it), forever."""
+        per_step = accumulation * self.world_size
+        groups = self._groups(pos.stream or self.stream.start())
+        index = pos.index
+        try:
+            while True:
+                step = [next(groups) for _ in range(per_step)]
+                index += per_step
+                last = step[-1]
+                after = last.after if last.after["skip"] < last.count else {**last.end, "skip": 0}
+                tokens = [int(g.plan.row_tokens[g.rows].sum()) for g in step]
+                mine = [step[i] for i in deal(tokens, self.world_size, self.rank)]
+                yield [g.batcher.collate(g.plan, g.rows) for g in mine], Position(last.after["epoch"], index, after)
+        finally:
+            groups.close()
 
 
 class Prefetched:

@@ -26,6 +26,7 @@ from torch.profiler import record_function
 from leansft.core import distributed
 from leansft.core.config import PACKED_STRATEGIES, SPLITTING_STRATEGIES, RunConfig
 from leansft.core.data.prepare import PreparedData, prepare_data
+from leansft.core.data.stream import contributions
 from leansft.core.data.tokenizer import pad_id
 from leansft.core.errors import LeanSFTError, PeerFailure
 from leansft.core.io import run_lock
@@ -40,7 +41,7 @@ from leansft.core.model.qlora import dequantised_base
 from leansft.core.model.verify import check_position_table
 from leansft.core.paths import cache_dir
 from leansft.core.progress import console, phase, plural
-from leansft.recipe.batches import Batcher, Prefetched
+from leansft.recipe.batches import Batcher, Prefetched, StreamBatcher
 from leansft.recipe.builders import (
     autocast_dtype,
     build_model,
@@ -201,7 +202,7 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad_id(data.tokenizer), device, amp)
     batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), cfg.training.seed,
                       grid.dp_rank, grid.dp_size, (grid.cp_rank, grid.cp_size))
-    total_steps = count_steps(cfg, batcher)
+    total_steps = cfg.training.max_steps if data.stream is not None else count_steps(cfg, batcher)
     neftune = NEFTune(model, cfg.training.neftune_noise_alpha) if cfg.training.neftune_noise_alpha else None
     loss_module = LossModule(model, cfg.training.loss_chunk_size, cfg.training.loss_backend, neftune, precision)
     if grid.cp_size > 1:  # checked on the whole model, before DDP or FSDP wraps it
@@ -210,7 +211,7 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     sharded = world > 1 and cfg.distributed.strategy == "fsdp"
     engine = build_engine(cfg, model, loss_module, total_steps, device, amp, world)
     checkpointer = Checkpointer(cfg, out, loss_module, engine.optimizer, engine.scheduler, sharded,
-                                data.train.fingerprint(), storage)
+                                data.fingerprint(), storage)
     state, evaluator_state = checkpointer.load(resume_from)
     run.wall_before = state.wall_seconds
     start_run_folder(cfg, out, data, state.step)
@@ -228,6 +229,10 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     last = log_record(metrics, evaluator, None, 0, evaluator.after_step(0, total_steps) if state.step == 0 else None)
     progress_file = ProgressFile(out / "progress.json", rank == 0, total_steps, world, state.step)
     progress_file.write(state.step, run.wall())
+    if data.stream is not None:  # its workers start here, before the loop's thread does
+        data.stream.open()
+        batcher = StreamBatcher(data.stream, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer),
+                                cfg.training.seed, grid.dp_rank, grid.dp_size, (grid.cp_rank, grid.cp_size))
     steps = Prefetched(batcher.steps(state.position, cfg.batching.gradient_accumulation), depth=2,
                        pin=device.type == "cuda")
     stopped = False
@@ -260,6 +265,10 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
             if stopping:
                 log.warning("stopping at step %d (%s)", state.step, "signal" if stopped else "early stopping")
                 break
+    data.close()
+    if data.stream is not None and rank == 0 and state.position.stream:
+        log.info("the stream, epoch %d so far: %s", state.position.stream["epoch"], "; ".join(contributions(
+            state.position.stream, [s.path for s in cfg.data.sources], cfg.data.mix.by)))
     if cfg.checkpoint.export and not stopped:
         export_final(cfg, model, loss_module, sharded, data, out, model_path)
     metrics.write(run.record(state))  # the whole run's totals: wall time, time in steps, run-average rates

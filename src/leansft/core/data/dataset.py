@@ -62,6 +62,14 @@ class TokenStore:
     images: Any = None  # a vision model's data: each example's images (``core/vision/data.ImageTable``)
 
     @staticmethod
+    def from_shard(shard: dict) -> TokenStore:
+        """A prepared shard (``shards._prepare_shard``) in memory: what a streaming source's examples live in."""
+        n = len(shard["starts"])
+        return TokenStore([shard["input_ids"]], [shard["mask"]],
+                          [np.array([0.0, 1.0, *shard["weights"]], dtype=np.float32)], np.zeros(n, np.int32),
+                          *(shard[name] for name in EXAMPLE_FILES), max_id=shard["max_id"])
+
+    @staticmethod
     def merge(stores: list[TokenStore]) -> TokenStore:
         """Several sources as one store; part i is source i (the tokens stay where they are)."""
         def cat(name: str) -> np.ndarray:
@@ -318,34 +326,7 @@ def build_dataset(
         picks.append(pick + base)
         base += len(store.starts)
     data = TokenizedDataset(TokenStore.merge(stores), np.concatenate(picks))
-    keep = np.ones(len(data), dtype=bool)
-    if cfg.clean.dedupe:
-        # A repeat made by a weight > 1 is intended: a text's first (source, row) owns it, and copies of
-        # that same row stay, while the same text at any other row is a duplicate.
-        _, owner_of, inverse = np.unique(data.hashes, return_index=True, return_inverse=True)
-        owner = owner_of[inverse]
-        keep &= (data.source == data.source[owner]) & (data.rows == data.rows[owner])
-        report.duplicates_removed = int((~keep).sum())
-    lengths = data.lengths
-    short = keep & (lengths < cfg.clean.min_tokens)
-    report.too_short = int(short.sum())
-    keep &= ~short
-    if cfg.clean.max_tokens is not None:
-        long_ = keep & (lengths > cfg.clean.max_tokens)
-        report.too_long = int(long_.sum())
-        keep &= ~long_
-    over = keep & (lengths > cfg.max_length) if truncate else np.zeros(len(data), dtype=bool)
-    if cfg.truncation == "drop":
-        report.dropped_over_length = int(over.sum())
-        keep &= ~over
-    else:
-        report.truncated = int(over.sum())
-    whole = data.select(np.flatnonzero(keep))
-    data = data.select(np.flatnonzero(keep), max_length=cfg.max_length if truncate else None)
-    empty = data.target_counts == 0
-    report.no_target_tokens = int(empty.sum())
-    if empty.any():
-        data = data.select(np.flatnonzero(~empty))
+    whole, data = clean(data, cfg, report, truncate)
     if interleave and len(data):
         chosen, mixed = mixture.mix(data.source, data.target_counts, [s.weight for s in sources],
                                     [str(s.path) for s in sources], cfg.mix, rng)
@@ -356,6 +337,46 @@ def build_dataset(
     if len(data) == 0:
         raise _nothing_left(report, cfg, whole, truncate)
     return data, report
+
+
+def duplicates(data: TokenizedDataset, source: np.ndarray) -> np.ndarray:
+    """Which examples repeat a text seen before. A repeat a weight or a mix made is intended: a text's first
+    (source, row) owns it, and copies of that same row stay, while the same text at any other row is a duplicate."""
+    _, owner_of, inverse = np.unique(data.hashes, return_index=True, return_inverse=True)
+    owner = owner_of[inverse]
+    return ~((source == source[owner]) & (data.rows == data.rows[owner]))
+
+
+def clean(data: TokenizedDataset, cfg: DataConfig, report: PrepReport, truncate: bool = True, *,
+          dedupe: bool | None = None, source: np.ndarray | None = None) -> tuple[TokenizedDataset, TokenizedDataset]:
+    """(the kept examples whole, the kept examples cut to ``cfg.max_length`` and with a target token left): the
+    cleaning every run applies, the cached one over the whole data and a streaming one a window at a time
+    (``stream.py``); the counts go into ``report``. ``source``: each example's source (default its part)."""
+    keep = np.ones(len(data), dtype=bool)
+    if cfg.clean.dedupe if dedupe is None else dedupe:
+        keep &= ~duplicates(data, data.source if source is None else source)
+        report.duplicates_removed += int((~keep).sum())
+    lengths = data.lengths
+    short = keep & (lengths < cfg.clean.min_tokens)
+    report.too_short += int(short.sum())
+    keep &= ~short
+    if cfg.clean.max_tokens is not None:
+        long_ = keep & (lengths > cfg.clean.max_tokens)
+        report.too_long += int(long_.sum())
+        keep &= ~long_
+    over = keep & (lengths > cfg.max_length) if truncate else np.zeros(len(data), dtype=bool)
+    if cfg.truncation == "drop":
+        report.dropped_over_length += int(over.sum())
+        keep &= ~over
+    else:
+        report.truncated += int(over.sum())
+    whole = data.select(np.flatnonzero(keep))
+    data = data.select(np.flatnonzero(keep), max_length=cfg.max_length if truncate else None)
+    empty = data.target_counts == 0
+    report.no_target_tokens += int(empty.sum())
+    if empty.any():
+        data = data.select(np.flatnonzero(~empty))
+    return whole, data
 
 
 def _nothing_left(report: PrepReport, cfg: DataConfig, whole: TokenizedDataset, truncate: bool) -> DataError:

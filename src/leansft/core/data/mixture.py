@@ -20,10 +20,11 @@ log = logging.getLogger("leansft")
 
 def counts(sizes: np.ndarray, amounts: np.ndarray, shares: np.ndarray, stop: str) -> np.ndarray:
     """Examples to take from each source: ``sizes`` its examples, ``amounts`` what they hold of what a share
-    counts (target tokens, or the examples themselves), ``shares`` normalised. all_exhausted: the smallest mix in
-    which every source is whole at least once; first_exhausted: the largest in which none repeats."""
+    counts (target tokens, or the examples themselves), ``shares`` normalised. all_exhausted (and steps, the mix then
+    repeated for as many steps as the run takes): the smallest mix in which every source is whole at least once;
+    first_exhausted: the largest in which none repeats."""
     per_share = amounts / shares  # the mix's total amount that this source would make whole at its share
-    total = per_share.max() if stop == "all_exhausted" else per_share.min()
+    total = per_share.min() if stop == "first_exhausted" else per_share.max()  # steps: the run repeats the mix
     mean = amounts / sizes
     return np.maximum(np.rint(shares * total / mean), 1).astype(np.int64)
 

@@ -17,10 +17,12 @@ from leansft.core import distributed
 from leansft.core.config import DataConfig, SourceConfig, VisionConfig
 from leansft.core.data.dataset import PrepReport, TokenizedDataset, build_dataset
 from leansft.core.data.masking import ChatTemplate, resolve_template
+from leansft.core.data.stream import Stream
 from leansft.core.data.tokenizer import load_tokenizer
 from leansft.core.data.vision.family import vision_family
 from leansft.core.data.vision.prepare import prepare_vision, sources_have_images, vision_config_of, vision_encoder
 from leansft.core.data.vision.processing import ImageProcessing
+from leansft.core.errors import ConfigError
 from leansft.core.paths import cache_dir
 
 log = logging.getLogger("leansft")
@@ -34,10 +36,24 @@ class PreparedData:
     eval: TokenizedDataset | None
     report: PrepReport
     images: ImageProcessing | None = None  # a vision model's image processor (exported beside the tokenizer)
+    stream: Stream | None = None  # streaming sources: ``train`` is then the stream's first window
+
+    def fingerprint(self) -> str:
+        """What a checkpoint's data position points into (``TokenizedDataset.fingerprint``, or the stream's)."""
+        return self.stream.fingerprint() if self.stream is not None else self.train.fingerprint()
+
+    def close(self) -> None:
+        """Stop a stream's worker processes."""
+        if self.stream is not None:
+            self.stream.close()
 
     def summary(self) -> str:
         """One line for the run's log: examples trained and held out, and what cleaning removed or cut."""
         r = self.report
+        if self.stream is not None:
+            return (f"streaming {len(self.stream.sources)} source(s) in windows of {self.stream.cfg.stream.window:,} "
+                    f"examples; the first window: {len(self.train):,} examples"
+                    + (f", {len(self.eval):,} held out" if self.eval is not None else ""))
         parts = [f"{len(self.train):,} training examples"
                  + (f", {len(self.eval):,} held out" if self.eval is not None else "")]
         for count, what in ((r.duplicates_removed, "duplicates removed"),
@@ -97,11 +113,23 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
     template = resolve_template(tokenizer, cfg.template)
     config = vision_config_of(model_spec or tokenizer_spec, trust_remote_code)
     read = cfg.sources + ([SourceConfig(path=cfg.eval_file)] if holdout and cfg.eval_file else [])
+    streaming = any(s.streaming for s in cfg.sources)
+    if config is not None and streaming:
+        raise ConfigError("streaming sources for a vision model are not supported: prepare its data cached "
+                          "(streaming: false)", field="data.sources[*].streaming")
     if config is not None and sources_have_images(read):
         return _prepare_vision(cfg, tokenizer, template, config, model_spec or tokenizer_spec, vision, seed, holdout)
     eval_data = None
     folder = cache_dir(cfg.cache_dir)
     cache = cache_storage or distributed.storage_of(folder)
+    if streaming:
+        stream = Stream(cfg, tokenizer, template, truncate)
+        first = stream.first_window()
+        if holdout and cfg.eval_file:
+            with distributed.writers_first(cache):
+                eval_data, _ = build_dataset(cfg, tokenizer, template, seed=seed,
+                                             sources=[SourceConfig(path=cfg.eval_file)])
+        return PreparedData(tokenizer, template, first.data, eval_data, stream.report(first), stream=stream)
     if distributed.world_size() > 1 and distributed.rank() == 0:
         log.info("preparing the data %s", f"once for all {distributed.world_size()} ranks (the cache folder {folder} "
                  "is shared)" if cache.shared else f"once per node (the cache folder {folder}: {cache.describe()})")

@@ -40,6 +40,7 @@ TOKEN_FILES = {"input_ids": np.int32, "mask": np.uint8}  # per token: the id, an
 EXAMPLE_FILES = ("starts", "lengths", "targets", "prompts", "rows", "hashes")  # per example, int64
 
 _JOB: dict = {}  # what the workers need; set before the pool forks them
+_JOBS: dict[str, dict] = {}  # streaming: the same per source, by its key (``ShardPool``)
 
 
 def cpu_count() -> int:
@@ -64,15 +65,17 @@ def _row(src: SourceConfig, raw: str | dict, number: int) -> dict:
     return map_columns(row, src.columns, src.path, number) if src.columns else row
 
 
-def _prepare_shard(shard: list[tuple[int, str | dict]]) -> dict:
-    """Rows -> conversations -> examples as flat arrays, with this shard's counts."""
-    src: SourceConfig = _JOB["src"]
-    cfg: DataConfig = _JOB["cfg"]
-    encoder: ChatEncoder = _JOB["encoder"]
+def _prepare_shard(shard: list[tuple[int, str | dict]], job: dict | None = None) -> dict:
+    """Rows -> conversations -> examples as flat arrays, with this shard's counts (``job``: the source's, default
+    ``_JOB``)."""
+    job = _JOB if job is None else job
+    src: SourceConfig = job["src"]
+    cfg: DataConfig = job["cfg"]
+    encoder: ChatEncoder = job["encoder"]
     convs, bad, no_assistant, pii = [], [], 0, Counter()
     for number, raw in shard:
         try:  # a line that is not JSON is a bad row too (data.on_bad_row: skip leaves it out)
-            conv = convert_row(_row(src, raw, number), _JOB["format"], src.path, number)
+            conv = convert_row(_row(src, raw, number), job["format"], src.path, number)
         except DataError as err:
             if cfg.on_bad_row == "error":
                 raise
@@ -202,6 +205,47 @@ def _map_shards(fn: Callable, shards: Iterator[list], workers: int) -> Iterator[
             yield pending.popleft().result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _prepare_keyed(key: str, shard: list[tuple[int, str | dict]]) -> dict:
+    return _prepare_shard(shard, _JOBS[key])
+
+
+class ShardPool:
+    """Worker processes that prepare the shards of streaming sources while training runs: the cached path's own
+    ``_prepare_shard``, each source's job by its key. The workers are forked once, when the pool is made (before the
+    model loads: they inherit the tokenizer, not the model), and each source keeps ``ahead`` shards per worker in
+    flight: the buffer between preparation and the trainer."""
+
+    def __init__(self, jobs: dict[str, dict], workers: int, ahead: int) -> None:
+        _JOBS.update(jobs)
+        self.workers, self.ahead = workers, ahead
+        self.pool = None
+        if workers > 1 and "fork" in mp.get_all_start_methods():
+            self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_start_worker)
+            self.pool.submit(int).result()  # with fork, the first task starts every worker: now, not mid-run
+
+    def map(self, key: str, shards: Iterator[list]) -> Iterator[dict]:
+        """The source ``key``'s shards prepared, in order; what is in flight is cancelled when the caller stops."""
+        if self.pool is None:
+            yield from (_prepare_keyed(key, shard) for shard in shards)
+            return
+        pending: deque = deque()
+        try:
+            for shard in shards:
+                pending.append(self.pool.submit(_prepare_keyed, key, shard))
+                if len(pending) >= self.ahead * self.workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
 
 
 class _Progress:

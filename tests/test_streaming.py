@@ -1,0 +1,146 @@
+"""Streaming sources (data.sources[*].streaming): prepared while training runs, a window at a time. Judged against
+the cached run of the same rows (a window holding the whole source trains its losses), the asked shares, and an
+uninterrupted streaming run (a crash and resume trains its losses, reading each source from a saved offset)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import losses, run_config, train_crashing_after, write_jsonl
+
+from leansft.core.config import load_config
+from leansft.core.data.masking import resolve_template
+from leansft.core.data.stream import Cursor, Stream
+from leansft.core.errors import ConfigError
+
+WORDS = "the a model learns to answer every question about data packing loss memory tokens rows".split()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> list[str]:
+    """Three sources of other sizes and answer lengths: 3,000 short answers, 500 long ones, 200 in between."""
+    tmp, rng = tmp_path_factory.mktemp("stream"), np.random.default_rng(1)
+
+    def chats(n: int, lo: int, hi: int, tag: str) -> list[dict]:
+        return [{"messages": [{"role": "user", "content": f"{tag} {i}?"},
+                              {"role": "assistant", "content": " ".join(rng.choice(WORDS, rng.integers(lo, hi)))}]}
+                for i in range(n)]
+
+    return [write_jsonl(tmp / f"{tag}.jsonl", chats(n, lo, hi, tag))
+            for tag, n, lo, hi in (("a", 3000, 5, 20), ("b", 500, 40, 80), ("c", 200, 10, 30))]
+
+
+def _data(sources, *options, weights=(0.5, 0.3, 0.2)):
+    spec = ", ".join(f"{{path: {p}, weight: {w}, streaming: true}}" for p, w in zip(sources, weights, strict=True))
+    return load_config(None, ["model=m", "training.max_steps=1", f"data.sources=[{spec}]", *options]).data
+
+
+@pytest.mark.parametrize("by", ["tokens", "examples"])
+def test_each_source_holds_its_share_over_ten_thousand_steps_of_examples(sources, load_tok, qwen25_path, by):
+    """stop: steps repeats every source as long as the run goes; the measured shares of every 20,000 examples
+    (windows of 1,000) are the asked ones within 1%, and the small sources are read through many times."""
+    tok = load_tok(qwen25_path)
+    cfg = _data(sources, "data.mix.mode=interleave", f"data.mix.by={by}", "data.mix.stop=steps",
+                "data.stream.window=1000", "data.num_workers=1")
+    stream = Stream(cfg, tok, resolve_template(tok, None))
+    amount, windows = np.zeros(3), stream.windows(stream.start())
+    try:
+        for _ in range(20):
+            w = next(windows)
+            got = w.data.target_counts if by == "tokens" else np.ones(len(w.data))
+            amount += np.bincount(w.source, weights=got, minlength=3)
+        assert w.end["epoch"] == 0  # steps: never exhausted
+        assert w.end["cursors"][2]["lap"] >= 5  # c (200 examples at 20%) read through again and again
+    finally:
+        windows.close()
+        stream.close()
+    assert np.abs(amount / amount.sum() - [0.5, 0.3, 0.2]).max() < 0.01
+
+
+def test_a_window_started_from_a_saved_state_is_the_window_the_stream_made(sources, load_tok, qwen25_path):
+    """The state at a window's start is all a resume needs: the windows made from it equal the uninterrupted
+    stream's, and a .jsonl source is read from the saved byte offset (its first rows overwritten with garbage of
+    the same length are never read again)."""
+    tok = load_tok(qwen25_path)
+    cfg = _data(sources[:2], "data.mix.mode=interleave", "data.mix.stop=first_exhausted", "data.stream.window=700",
+                "data.num_workers=2", weights=(1, 1))
+    stream = Stream(cfg, tok, resolve_template(tok, None))
+    windows = stream.windows(stream.start())
+    made = [next(windows) for _ in range(4)]
+    windows.close()
+    third = made[2].start
+    assert Cursor(**third["cursors"][0]).offset > 0  # source a is past its first shard
+    a = Path(sources[0])
+    original = a.read_bytes()
+    try:
+        cut = Cursor(**third["cursors"][0]).offset
+        a.write_bytes(b"x" * (cut - 1) + b"\n" + original[cut:])  # what lies before the cursor is unreadable
+        again = stream.windows(third)
+        for before in made[2:]:
+            after = next(again)
+            assert after.start == before.start and after.end == before.end
+            assert np.array_equal(after.data.hashes, before.data.hashes)
+            assert np.array_equal(after.data.flat()[0], before.data.flat()[0])
+        again.close()
+    finally:
+        a.write_bytes(original)
+        stream.close()
+
+
+def test_a_stream_whose_window_holds_the_source_trains_the_cached_runs_losses(tmp_path, tiny_run_assets):
+    from leansft.recipe.train import train
+
+    cached = run_config(tmp_path / "cached", tiny_run_assets, "training.max_steps=4")
+    train(cached)
+    streamed = run_config(tmp_path / "stream", tiny_run_assets, "training.max_steps=4",
+                          f"data.sources=[{{path: {tiny_run_assets['data']}, streaming: true}}]",
+                          "data.stream.window=1000")
+    train(streamed)
+    assert losses(Path(streamed.output_dir)) == losses(Path(cached.output_dir))
+    assert not list((tmp_path / "stream" / "cache").glob("tokenized/*"))  # nothing cached
+
+
+def test_a_streaming_run_crashed_and_resumed_trains_the_uninterrupted_losses(tmp_path, tiny_run_assets,
+                                                                            monkeypatch, caplog):
+    """Windows of 16 examples, so the saved positions fall inside windows and steps span two of them; two sources
+    interleaved 3:1 by examples; the run goes past the end of the first epoch of the stream."""
+    other = tmp_path / "other.jsonl"
+    rows = [json.loads(line) for line in Path(tiny_run_assets["data"]).read_text().splitlines()][:8]
+    other.write_text("".join(json.dumps({**r, "instruction": "Briefly: " + r["instruction"]}) + "\n" for r in rows))
+    mix = (f"data.sources=[{{path: {tiny_run_assets['data']}, weight: 3, streaming: true}}, "
+           f"{{path: {other}, weight: 1, streaming: true}}]", "data.mix.mode=interleave", "data.mix.by=examples",
+           "data.mix.stop=first_exhausted", "data.stream.window=16", "training.max_steps=12")
+    full = run_config(tmp_path / "a", tiny_run_assets, *mix)
+    from leansft.recipe.train import train
+
+    caplog.set_level(logging.INFO, "leansft")
+    train(full)
+    assert "the stream, epoch 1" in caplog.text  # 8 examples of other.jsonl at a quarter: an epoch of 32
+    cut = run_config(tmp_path / "b", tiny_run_assets, *mix, "checkpoint.save_every=3")
+    train_crashing_after(monkeypatch, cut, 10)
+    train(cut, resume="auto")
+    assert losses(Path(cut.output_dir)) == losses(Path(full.output_dir))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.eval_split=0.1", "data.eval_split holds out a share of the whole data"),
+    ("data.sources=[{path: X, streaming: true}, {path: X}]", "some sources stream and some do not"),
+    ("data.sources=[{path: X, streaming: true, weight: 2}]", "needs data.mix.mode: interleave"),
+])
+def test_what_a_stream_cannot_do_is_refused_by_name(tiny_run_assets, tmp_path, override, message):
+    from leansft.core.data.prepare import prepare_data
+
+    cfg = run_config(tmp_path, tiny_run_assets, f"data.sources=[{{path: {tiny_run_assets['data']}, streaming: true}}]",
+                     override.replace("X", tiny_run_assets["data"]))
+    with pytest.raises(ConfigError, match=message):
+        prepare_data(cfg.data, cfg.model, holdout=False)
+
+
+def test_a_stream_without_max_steps_is_refused(tiny_run_assets, tmp_path):
+    with pytest.raises(ConfigError, match="set training.max_steps"):
+        load_config(None, [f"model={tiny_run_assets['model']}",
+                           f"data.sources=[{{path: {tiny_run_assets['data']}, streaming: true}}]"])
