@@ -118,7 +118,7 @@ def test_resume_from_a_distributed_checkpoint(tmp_path, tiny_run_assets):
     """A LoRA run under FSDP saving at step 2 and step 4, resumed from its step-2 checkpoint (DCP shards written by
     two ranks): steps 3 and 4 log the losses of the uninterrupted run again (evaluation and samples included), and
     the export holds the merged weights. With NEFTune each rank draws its own noise: restored from rank 0's
-    generator alone, steps 3-4 were 6e-4 off. (LoRA under DDP: test_lora_under_ddp.)"""
+    generator alone, steps 3-4 were 6e-4 off. (LoRA under DDP: test_lora_under_ddp_on_a_streaming_mix.)"""
     cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=4", "training.schedule=constant",
                      "training.warmup_steps=0", "checkpoint.save_every=2", "checkpoint.keep_last=2",
                      "data.eval_split=0.1", "eval.eval_every=2", "eval.samples_every=2", "distributed.strategy=fsdp",
@@ -139,11 +139,22 @@ def test_resume_from_a_distributed_checkpoint(tmp_path, tiny_run_assets):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def test_lora_under_ddp(tmp_path, tiny_run_assets):
-    """(LoRA under FSDP: test_resume_from_a_distributed_checkpoint, one launch fewer.)"""
-    cfg = run_config(tmp_path, tiny_run_assets, "training.method=lora", "training.lora.r=4", "training.max_steps=2",
-                     "checkpoint.export=true", "distributed.strategy=ddp", "training.learning_rate=1e-2")
+def test_lora_under_ddp_on_a_streaming_mix(tmp_path, tiny_run_assets, mixed):
+    """LoRA under DDP, its two sources streaming in windows of 16 examples (so steps span two windows): two ranks
+    (accumulation 1) train the losses of one process (accumulation 2), each rank reading the whole stream in the same
+    order. (LoRA under FSDP: test_resume_from_a_distributed_checkpoint, one launch fewer.)"""
+    streaming = (mixed[0].replace("weight: 3}", "weight: 3, streaming: true}").replace(
+        "weight: 1}", "weight: 1, streaming: true}"), *mixed[1:], "data.stream.window=16")
+    common = ("training.method=lora", "training.lora.r=4", "training.max_steps=4", "checkpoint.export=true",
+              "training.learning_rate=1e-2")
+    one = run_config(tmp_path / "one", tiny_run_assets, *streaming, *common, "batching.gradient_accumulation=2")
+    launch(write(one, tmp_path / "one.yaml"), 1)
+    cfg = run_config(tmp_path, tiny_run_assets, *streaming, *common, "distributed.strategy=ddp",
+                     "batching.gradient_accumulation=1")
     launch(write(cfg, tmp_path / "c.yaml"), 2)
+    ref, got = losses(Path(one.output_dir)), losses(Path(cfg.output_dir))
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    assert [got[k] for k in ref] == pytest.approx([ref[k] for k in ref], rel=1e-5)
     exported = weights(Path(cfg.output_dir))
     assert exported and not any("lora" in k for k in exported)  # merged on export
 

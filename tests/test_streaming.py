@@ -144,3 +144,19 @@ def test_a_stream_without_max_steps_is_refused(tiny_run_assets, tmp_path):
     with pytest.raises(ConfigError, match="set training.max_steps"):
         load_config(None, [f"model={tiny_run_assets['model']}",
                            f"data.sources=[{{path: {tiny_run_assets['data']}, streaming: true}}]"])
+
+
+def test_plan_says_what_the_window_costs_in_packing(sources, qwen25_path, tmp_path, capsys):
+    from leansft.tools.cli import main
+
+    config = tmp_path / "run.yaml"
+    spec = ", ".join(f"{{path: {p}, weight: {w}, streaming: true}}" for p, w in zip(sources, (0.5, 0.3, 0.2)))
+    config.write_text(f"model: {qwen25_path}\ndata:\n  sources: [{spec}]\n  mix: {{mode: interleave}}\n"
+                      "  stream: {window: 200}\ntraining: {max_steps: 10}\n")
+    assert main(["plan", "--config", str(config), "--max-length", "128", "--json", str(tmp_path / "p.json")]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"{sources[0]}: streaming (1 file, a resume seeks it by byte offset), 50.0% of the mix asked" in said
+    assert "streaming: the figures below are the first window's (200 examples)" in said
+    stream = json.loads((tmp_path / "p.json").read_text())["stream"]
+    assert stream["windows"] == 4 and stream["examples"] == 800
+    assert 0 < stream["fill_per_window"] <= stream["fill_together"] <= 1

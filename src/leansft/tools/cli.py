@@ -163,6 +163,10 @@ def cmd_plan(args) -> int:
     summary = plan_summary(data.lengths, data.target_counts, max_length, args.batch_size, args.window, args.seed,
                            tokens_per_micro_batch=micro)
     summary["preparation"] = prep.report.as_dict()
+    if prep.stream is not None:
+        from leansft.tools.stats import window_fill
+
+        summary["stream"] = window_fill(prep.stream, max_length)
     if data.store.images is not None:
         summary["images"] = data.store.images.summary(data.index)
     if args.model:

@@ -49,7 +49,11 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
     for src in prep.get("sources", []):
         if src.get("template"):
             console.print(f"{src['path']}: {template_summary(src['template'])}")
-        if src.get("share_asked") is not None:  # data.mix.mode: interleave
+        if src.get("streaming"):
+            console.print(f"{src['path']}: streaming ({plural(src['files'], 'file')}, a resume seeks it by "
+                          f"{src['seeks_by']}), {src['share_asked']:.1%} of the mix asked, "
+                          f"{src['examples_in_first_window']:,} examples in the first window")
+        elif src.get("share_asked") is not None:  # data.mix.mode: interleave
             console.print(f"{src['path']}: {src['share_got']:.1%} of the mix's {src['share_of']} (asked "
                           f"{src['share_asked']:.1%}), "
                           f"{src['mix_examples']:,} examples, {src['mix_target_tokens']:,} target tokens; each example "
@@ -57,6 +61,14 @@ def print_plan(summary: dict, console: Console | None = None) -> None:
     cleaned = cleaning_line(prep)
     if cleaned:
         console.print(f"cleaning: {cleaned}")
+    if summary.get("stream"):
+        st = summary["stream"]
+        console.print(f"streaming: the figures below are the first window's ({st['window']:,} examples). Packed a "
+                      f"window at a time, rows are {st['fill_per_window']:.1%} full over the first "
+                      f"{plural(st['windows'], 'window')}, {st['fill_together']:.1%} were their "
+                      f"{st['examples']:,} examples packed together: the window costs "
+                      f"{st['fill_together'] - st['fill_per_window']:.1%} of fill (raise data.stream.window to pack "
+                      "fuller, at more memory)")
     ls = summary["lengths"]
     head = f"[bold]{summary['examples']:,}[/] {'example' if summary['examples'] == 1 else 'examples'}, " \
            f"{summary['tokens']:,} tokens"

@@ -83,3 +83,25 @@ def plan_summary(
         "strategies": strategy_table(lengths, max_length, batch_size, window, seed,
                                      tokens_per_micro_batch=tokens_per_micro_batch),
     }
+
+
+def window_fill(stream, max_length: int, windows: int = 4) -> dict:
+    """What packing a window at a time costs a stream (``core/data/stream.py``): how full best-fit rows are over its
+    first ``windows`` windows packed one by one, against the same examples packed together."""
+    lengths, rows, tokens = [], 0, 0
+    made = stream.windows(stream.start())
+    try:
+        for _ in range(windows):
+            window = next(made)
+            cut = np.minimum(window.data.lengths, max_length)
+            plan = pack("bfd", cut, max_length)
+            rows, tokens = rows + plan.num_rows, tokens + int(cut.sum())
+            lengths.append(cut)
+            if window.end["epoch"] > 0:  # the stream was read through
+                break
+    finally:
+        made.close()
+        stream.close()
+    together = pack("bfd", np.concatenate(lengths), max_length)
+    return {"window": stream.cfg.stream.window, "windows": len(lengths), "examples": int(sum(map(len, lengths))),
+            "fill_per_window": tokens / max(rows * max_length, 1), "fill_together": together.fill}
