@@ -140,7 +140,7 @@ def test_what_a_stream_cannot_do_is_refused_by_name(tiny_run_assets, tmp_path, o
         prepare_data(cfg.data, cfg.model, holdout=False)
 
 
-def test_a_stream_without_max_steps_is_refused(tiny_run_assets, tmp_path):
+def test_a_stream_without_max_steps_is_refused(tiny_run_assets):
     with pytest.raises(ConfigError, match="set training.max_steps"):
         load_config(None, [f"model={tiny_run_assets['model']}",
                            f"data.sources=[{{path: {tiny_run_assets['data']}, streaming: true}}]"])
@@ -160,3 +160,12 @@ def test_plan_says_what_the_window_costs_in_packing(sources, qwen25_path, tmp_pa
     stream = json.loads((tmp_path / "p.json").read_text())["stream"]
     assert stream["windows"] == 4 and stream["examples"] == 800
     assert 0 < stream["fill_per_window"] <= stream["fill_together"] <= 1
+
+
+def test_a_registry_entry_that_streams_needs_max_steps_too(tiny_run_assets, tmp_path):
+    (tmp_path / "datasets.yaml").write_text(f"big: {{path: {tiny_run_assets['data']}, streaming: true}}\n")
+    (tmp_path / "run.yaml").write_text(f"model: {tiny_run_assets['model']}\ndata: {{sources: [big]}}\n")
+    with pytest.raises(ConfigError, match="set training.max_steps"):
+        load_config(str(tmp_path / "run.yaml"))
+    cfg = load_config(str(tmp_path / "run.yaml"), ["training.max_steps=5"])
+    assert cfg.data.sources[0].streaming

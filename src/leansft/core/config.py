@@ -613,6 +613,10 @@ def _resolve_registry(cfg: RunConfig, base: Path | None) -> None:
         entry, _ = registry[s.path]
         given = {k: getattr(s, k) for k in s.model_fields_set if k != "path"}
         cfg.data.sources[i] = SourceConfig.model_validate({**entry.model_dump(), **given})
+    try:  # an entry may have made a source streaming
+        cfg._streaming_has_an_end()
+    except ValueError as err:
+        raise ConfigError(str(err), field="training.max_steps", file=where) from None
 
 
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

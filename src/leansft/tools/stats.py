@@ -93,12 +93,12 @@ def window_fill(stream, max_length: int, windows: int = 4) -> dict:
     try:
         for _ in range(windows):
             window = next(made)
+            if window.start["epoch"] > 0:  # the stream was read through
+                break
             cut = np.minimum(window.data.lengths, max_length)
             plan = pack("bfd", cut, max_length)
             rows, tokens = rows + plan.num_rows, tokens + int(cut.sum())
             lengths.append(cut)
-            if window.end["epoch"] > 0:  # the stream was read through
-                break
     finally:
         made.close()
         stream.close()

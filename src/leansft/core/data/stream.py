@@ -166,8 +166,8 @@ class SourceStream:
                 yield at, shard
 
     def examples(self, pool: ShardPool, cursor: Cursor) -> Iterator[tuple[Cursor, TokenizedDataset, int, int]]:
-        """``(the cursor after this example, the cleaned shard, the example's index in it, its target tokens)`` from
-        ``cursor`` on."""
+        """``(the cursor at the example's shard, the cleaned shard, the example's index in it, its target tokens)``
+        from ``cursor`` on."""
         starts: deque[Cursor] = deque()
 
         def rows() -> Iterator[list]:
@@ -186,7 +186,7 @@ class SourceStream:
                             dedupe=False)
             targets = data.target_counts.tolist()
             for j in range(skip, len(data)):
-                yield Cursor(at.lap, at.file, at.offset, at.line, j + 1), data, j, targets[j]
+                yield at, data, j, targets[j]
             skip = 0
 
 
@@ -287,7 +287,8 @@ class Stream:
                             ended, got = self._exhausted(i, taken, live, cursors, readers)
                             if ended:
                                 break
-                        cursors[i], data, j, targets = got
+                        at, data, j, targets = got
+                        cursors[i] = Cursor(at.lap, at.file, at.offset, at.line, j + 1)
                         taken.examples[i] += 1
                         taken.tokens[i] += targets
                         picks.append((i, data, j))
