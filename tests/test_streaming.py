@@ -169,3 +169,15 @@ def test_a_registry_entry_that_streams_needs_max_steps_too(tiny_run_assets, tmp_
         load_config(str(tmp_path / "run.yaml"))
     cfg = load_config(str(tmp_path / "run.yaml"), ["training.max_steps=5"])
     assert cfg.data.sources[0].streaming
+
+
+def test_concat_reads_the_sources_one_after_another(sources, load_tok, qwen25_path):
+    tok = load_tok(qwen25_path)
+    cfg = _data([sources[2], sources[1]], "data.stream.window=300", "data.num_workers=1", weights=(1, 1))
+    stream = Stream(cfg, tok, resolve_template(tok, None))
+    windows = stream.windows(stream.start())
+    made = [next(windows) for _ in range(3)]
+    windows.close()
+    stream.close()
+    assert [np.bincount(w.source, minlength=2).tolist() for w in made] == [[200, 100], [0, 300], [0, 100]]
+    assert made[2].end["epoch"] == 1 and made[1].end["epoch"] == 0

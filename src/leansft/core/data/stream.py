@@ -256,11 +256,11 @@ class Stream:
         return {"epoch": 0, "window": 0, "cursors": [asdict(Cursor()) for _ in range(k)],
                 "taken": asdict(Taken([0] * k, [0] * k, [False] * k)), "skip": 0}
 
-    def _next_source(self, taken: Taken, live: list[bool]) -> int:
+    def _next_source(self, taken: Taken) -> int:
         """concat: the first source not read through; interleave: the one furthest below its share of what the mix
         has taken so far (ties: the first), so the shares hold at every point of the stream, not only on average."""
         if self.cfg.mix.mode == "concat":
-            return live.index(True)
+            return taken.through.index(False)
         amount = taken.tokens if self.cfg.mix.by == "tokens" else taken.examples
         behind = [a / s for a, s in zip(amount, self.shares.tolist())]
         return behind.index(min(behind))
@@ -273,7 +273,6 @@ class Stream:
             epoch, number = state["epoch"], state["window"]
             cursors = [Cursor(**c) for c in state["cursors"]]
             taken = Taken(**{k: list(v) for k, v in state["taken"].items()})
-            live = [True] * len(self.sources)  # concat: the sources not yet read through in this epoch
             readers = [s.examples(pool, c) for s, c in zip(self.sources, cursors)]
             ended = False
             try:
@@ -281,12 +280,14 @@ class Stream:
                     begin = _state(epoch, number, cursors, taken)
                     picks: list[tuple[int, TokenizedDataset, int]] = []
                     while len(picks) < size:
-                        i = self._next_source(taken, live)
+                        i = self._next_source(taken)
                         got = next(readers[i], None)
                         if got is None:
-                            ended, got = self._exhausted(i, taken, live, cursors, readers)
+                            ended, got = self._exhausted(i, taken, cursors, readers)
                             if ended:
                                 break
+                            if got is None:  # concat: on to the next source
+                                continue
                         at, data, j, targets = got
                         cursors[i] = Cursor(at.lap, at.file, at.offset, at.line, j + 1)
                         taken.examples[i] += 1
@@ -301,14 +302,12 @@ class Stream:
                     reader.close()
             state = end
 
-    def _exhausted(self, i: int, taken: Taken, live: list[bool], cursors: list[Cursor], readers: list
-                   ) -> tuple[bool, tuple | None]:
+    def _exhausted(self, i: int, taken: Taken, cursors: list[Cursor], readers: list) -> tuple[bool, tuple | None]:
         """Source ``i`` has no example left in this lap: (whether the epoch ends, the next example where the source
         starts again)."""
         taken.through[i] = True
         if self.cfg.mix.mode == "concat":
-            live[i] = False
-            return not any(live), None
+            return all(taken.through), None
         stop = self.cfg.mix.stop
         if stop == "first_exhausted" or (stop == "all_exhausted" and all(taken.through)):
             return True, None
@@ -370,7 +369,7 @@ class Stream:
             report.sources.append({"path": s.src.path, "format": s.format, "streaming": True, "files": len(s.files),
                                    "seeks_by": SEEKABLE.get(_kind(s.files[0]), "reading up to the row"),
                                    "weight": s.src.weight, "share_asked": round(float(share), 4),
-                                   "examples_in_first_window": int(n)})
+                                   "examples": int(n), "examples_in_first_window": int(n)})
         return report
 
 
