@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import losses, run_config, train_crashing_after, write_jsonl
+from helpers import losses, run_config, write_jsonl
 
 from leansft.core.config import load_config
 from leansft.core.data.masking import resolve_template
@@ -104,16 +104,41 @@ def test_a_stream_whose_window_holds_the_source_trains_the_cached_runs_losses(tm
     assert not list((tmp_path / "stream" / "cache").glob("tokenized/*"))  # nothing cached
 
 
-def test_a_streaming_run_crashed_and_resumed_trains_the_uninterrupted_losses(tmp_path, tiny_run_assets,
-                                                                            monkeypatch, caplog):
+KILLED_RUN = """
+import sys, time
+import leansft.recipe.train as recipe
+from leansft.tools.cli import main
+real = recipe.train_step
+def slow(*args, **kwargs):  # time to be killed between the step-6 checkpoint and the run's end
+    out = real(*args, **kwargs)
+    time.sleep(0.4)
+    return out
+recipe.train_step = slow
+sys.exit(main(["train", sys.argv[1]]))
+"""
+
+
+@pytest.mark.slow
+def test_a_streaming_run_killed_and_resumed_trains_the_uninterrupted_losses(tmp_path, tiny_run_assets, caplog):
     """Windows of 16 examples, so the saved positions fall inside windows and steps span two of them; two sources
-    interleaved 3:1 by examples; the run goes past the end of the first epoch of the stream."""
+    interleaved 3:1 by examples; the run goes past the end of the stream's first epoch. ``leansft train`` is killed
+    (SIGKILL) after its step-6 checkpoint: its data workers end with it, and the resume (seeking each source to its
+    saved offset) trains the uninterrupted run's losses."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    import yaml
+
     other = tmp_path / "other.jsonl"
     rows = [json.loads(line) for line in Path(tiny_run_assets["data"]).read_text().splitlines()][:8]
     other.write_text("".join(json.dumps({**r, "instruction": "Briefly: " + r["instruction"]}) + "\n" for r in rows))
     mix = (f"data.sources=[{{path: {tiny_run_assets['data']}, weight: 3, streaming: true}}, "
            f"{{path: {other}, weight: 1, streaming: true}}]", "data.mix.mode=interleave", "data.mix.by=examples",
-           "data.mix.stop=first_exhausted", "data.stream.window=16", "training.max_steps=12")
+           "data.mix.stop=first_exhausted", "data.stream.window=16", "training.max_steps=12", "data.num_workers=2")
     full = run_config(tmp_path / "a", tiny_run_assets, *mix)
     from leansft.recipe.train import train
 
@@ -121,7 +146,24 @@ def test_a_streaming_run_crashed_and_resumed_trains_the_uninterrupted_losses(tmp
     train(full)
     assert "the stream, epoch 1" in caplog.text  # 8 examples of other.jsonl at a quarter: an epoch of 32
     cut = run_config(tmp_path / "b", tiny_run_assets, *mix, "checkpoint.save_every=3")
-    train_crashing_after(monkeypatch, cut, 10)
+    config = tmp_path / "b.yaml"
+    config.write_text(yaml.safe_dump(cut.model_dump(mode="json")))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    step6, deadline = Path(cut.output_dir) / "checkpoints" / "step-6", time.monotonic() + 240
+    try:
+        while not (step6 / "manifest.json").exists():
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "no step-6 checkpoint in 240 s"
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) == 2  # the stream's workers, reading ahead
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, "a data worker outlived its killed run"
+    assert max(losses(Path(cut.output_dir))) < 12  # killed before the end
     train(cut, resume="auto")
     assert losses(Path(cut.output_dir)) == losses(Path(full.output_dir))
 
