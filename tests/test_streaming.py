@@ -145,6 +145,8 @@ def test_a_streaming_run_killed_and_resumed_trains_the_uninterrupted_losses(tmp_
     caplog.set_level(logging.INFO, "leansft")
     train(full)
     assert "the stream, epoch 1" in caplog.text  # 8 examples of other.jsonl at a quarter: an epoch of 32
+    given = json.loads((Path(full.output_dir) / "data_report.json").read_text())["stream"]
+    assert [g["share_asked"] for g in given] == [0.75, 0.25] and given[0]["epoch"] == 1
     cut = run_config(tmp_path / "b", tiny_run_assets, *mix, "checkpoint.save_every=3")
     config = tmp_path / "b.yaml"
     config.write_text(yaml.safe_dump(cut.model_dump(mode="json")))

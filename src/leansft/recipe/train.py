@@ -267,8 +267,7 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
                 break
     data.close()
     if data.stream is not None and rank == 0 and state.position.stream:
-        log.info("the stream, epoch %d so far: %s", state.position.stream["epoch"], "; ".join(contributions(
-            state.position.stream, [s.path for s in cfg.data.sources], cfg.data.mix.by)))
+        report_stream(out, contributions(state.position.stream, cfg.data))
     if cfg.checkpoint.export and not stopped:
         export_final(cfg, model, loss_module, sharded, data, out, model_path)
     metrics.write(run.record(state))  # the whole run's totals: wall time, time in steps, run-average rates
@@ -310,6 +309,17 @@ def log_data(data: PreparedData, max_length: int) -> None:
     if lost > 0:
         log.warning("cutting %d examples at data.max_length %d loses %.1f%% of the training target tokens "
                     "(`leansft plan` recommends a max_length)", data.report.truncated, max_length, 100 * lost)
+
+
+def report_stream(out: Path, given: list[dict]) -> None:
+    """A streaming run's end: what each source gave (up to the window the run stopped in), logged and in
+    data_report.json's ``stream``."""
+    log.info("the stream, epoch %d: %s", given[0]["epoch"], "; ".join(
+        f"{g['path']}: {g['examples']:,} examples, {g['target_tokens']:,} target tokens ({g['share_got']:.1%} of the "
+        f"{g['share_of']}, asked {g['share_asked']:.1%}), read through {g['read_through']} times" for g in given))
+    path = out / "data_report.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**report, "stream": given}, indent=1))
 
 
 def check_output_dir(path: str) -> Path:

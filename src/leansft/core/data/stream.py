@@ -378,14 +378,24 @@ def _state(epoch: int, number: int, cursors: list[Cursor] | None, taken: Taken |
             "taken": asdict(taken) if taken else {}, "skip": 0}
 
 
-def contributions(state: dict, names: list[str], by: str) -> list[str]:
-    """What each source gave the run's current epoch so far, from a stream state: a line each."""
-    taken = state["taken"]
-    total = sum(taken["tokens" if by == "tokens" else "examples"]) or 1
-    return [f"{name}: {taken['examples'][i]:,} examples, {taken['tokens'][i]:,} target tokens "
-            f"({100 * taken['tokens' if by == 'tokens' else 'examples'][i] / total:.1f}% of the "
-            f"{'target tokens' if by == 'tokens' else 'examples'}), read through {state['cursors'][i]['lap']} times"
-            for i, name in enumerate(names)]
+def contributions(state: dict, cfg: DataConfig) -> list[dict]:
+    """What each source gave the stream's current epoch up to ``state`` (a window's start): examples, target tokens,
+    its share of what the mix counts, and how many times it was read through; a source read through more than
+    ``data.mix.warn_repeats`` times is warned about, as a cached mix's is."""
+    taken, by = state["taken"], cfg.mix.by
+    counted = taken["tokens" if by == "tokens" else "examples"]
+    total, shares = sum(counted) or 1, [s.weight / sum(x.weight for x in cfg.sources) for s in cfg.sources]
+    out = []
+    for i, src in enumerate(cfg.sources):
+        laps = state["cursors"][i]["lap"]
+        out.append({"path": src.path, "epoch": state["epoch"], "examples": taken["examples"][i],
+                    "target_tokens": taken["tokens"][i], "share_of": "target tokens" if by == "tokens" else "examples",
+                    "share_asked": round(shares[i], 4), "share_got": round(counted[i] / total, 4), "read_through": laps})
+        if laps > cfg.mix.warn_repeats:
+            log.warning("%s: read through %d times in this epoch of the stream (its share %.0f%%): it may be learned by "
+                        "heart; raise its data or lower its weight (data.mix.warn_repeats %g)", src.path, laps,
+                        100 * shares[i], cfg.mix.warn_repeats)
+    return out
 
 
 def _quick_fingerprint(path: Path) -> str:
