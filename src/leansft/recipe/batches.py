@@ -125,10 +125,6 @@ class StreamBatcher:
         self.stream, self.cfg, self.max_length, self.pad_id, self.seed = stream, cfg, max_length, pad_id, seed
         self.rank, self.world_size, self.context = rank, world_size, context
 
-    @property
-    def packed(self) -> bool:
-        return self.cfg.strategy in PACKED
-
     def _groups(self, state: dict) -> Iterator[_Group]:
         """The micro-batches of the windows from ``state`` on, the first ``state['skip']`` of its window left out."""
         skip = state.get("skip", 0)
