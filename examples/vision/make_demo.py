@@ -79,6 +79,48 @@ def make_gemma3(folder: Path, tokenizer: Path, seed: int = 0) -> None:
     Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
 
 
+# llava-hf/llava-1.5-7b-hf's chat template, as it ships (prompts for inference: no stop token after an answer)
+LLAVA_15_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def make_llava(folder: Path, tokenizer: Path, seed: int = 0) -> None:
+    """LLaVA-1.5's architecture at a tiny size: a 2-layer CLIP tower on 28 x 28 pictures (4 patches of 14: 4 image
+    tokens, its class token dropped as ``vision_feature_select_strategy: default`` does), a 2-layer Llama, random
+    weights; ``tokenizer``: a Llama-2-style tokenizer folder, given LLaVA's ``<image>`` token, and llava-hf's
+    processor settings and chat template (``LlavaProcessor``: patch size, strategy, the class token)."""
+    import torch
+    from transformers import (AddedToken, AutoTokenizer, CLIPImageProcessorPil, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    tok.add_tokens([AddedToken("<image>", special=True, normalized=False)], special_tokens=True)
+    tok.add_special_tokens({"pad_token": "<pad>"})  # llava-hf's: <image> then <pad> after Llama 2's vocabulary
+    config = LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    torch.manual_seed(seed)
+    LlavaForConditionalGeneration(config).save_pretrained(folder)
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    LlavaProcessor(images, tok, patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   chat_template=LLAVA_15_TEMPLATE).save_pretrained(folder)
+    tok.chat_template = LLAVA_15_TEMPLATE  # beside the processor's: what leansft and apply_chat_template read
+    tok.save_pretrained(folder)
+
+
 def make_model(folder: Path, seed: int = 0, arch: str = "qwen2_vl") -> None:
     """Qwen2-VL (or, ``arch="qwen2_5_vl"``, Qwen2.5-VL with its windowed vision attention) at a tiny size: 2 layers
     of 64, a 1-block (Qwen2.5-VL: 2-block) vision tower, random weights; the shipped model's tokenizer and template."""

@@ -47,10 +47,25 @@ GEMMA = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
+# LLaVA-1.5 as llava-hf ships it (content as typed parts, images first), with the end-of-sequence token after each
+# answer that the shipped template leaves out (it renders prompts for inference; LLaVA-1.5 was trained with "</s>"
+# after every answer): prompts render exactly as the shipped template renders them.
+LLAVA = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}"
+    "{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + eos_token + ' ' }}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
 BUILTIN_TEMPLATES: dict[str, str] = {
     "chatml": CHATML,
     "qwen2.5": QWEN2_5,
     "llama3": LLAMA3,
     "mistral": MISTRAL,
     "gemma": GEMMA,
+    "llava": LLAVA,
 }

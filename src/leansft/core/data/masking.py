@@ -22,6 +22,7 @@ or for a byte-level BPE tokenizer the running sum of its tokens' lengths: ``toke
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter
@@ -85,6 +86,28 @@ class ChatTemplate:
     @property
     def has_generation_markers(self) -> bool:
         return bool(_GENERATION_TAG.search(self.source))
+
+    def as_parts(self, chat: list[dict]) -> list[dict]:
+        """``chat`` as this template reads it: where it reads a message's content only as typed parts (LLaVA's,
+        Idefics'), a plain string becomes one text part (else the template renders it as nothing)."""
+        if not _reads_parts_only(self.source):
+            return chat
+        return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                else m for m in chat]
+
+
+@functools.lru_cache(maxsize=16)
+def _reads_parts_only(source: str) -> bool:
+    """Whether a template renders a user message's plain-string content as nothing but its one text part as text."""
+    probe = "Qz9"
+    try:
+        template = _compile_jinja_template(source)
+        if probe in template.render(messages=[{"role": "user", "content": probe}], add_generation_prompt=False):
+            return False
+        return probe in template.render(messages=[{"role": "user", "content": [{"type": "text", "text": probe}]}],
+                                        add_generation_prompt=False)
+    except Exception:  # a template that needs more to render says so where it is used
+        return False
 
 
 def resolve_template(tokenizer, template: str | None) -> ChatTemplate:
@@ -292,6 +315,7 @@ class ChatEncoder:
         self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
         # what Template.render merges into every context (its globals, a ChainMap, copied once instead of per call)
         self._context = {**dict(self._fast.globals), **self._kwargs}
+        self._parts = _reads_parts_only(template.source)
         # The Rust tokenizer itself, without any truncation/padding a tokenizer.json may carry: what
         # tokenizer(text, add_special_tokens=False) runs, minus the Python-side conversion of its output.
         self._backend = tokenizer.backend_tokenizer
@@ -358,7 +382,10 @@ class ChatEncoder:
 
     def _jinja(self, chat: list[dict], tools: list | None, gen_prompt: bool) -> str:
         """``Template.render(messages=..., tools=..., add_generation_prompt=..., **special tokens)``, with the
-        template's globals merged once per encoder instead of once per call."""
+        template's globals merged once per encoder instead of once per call; a plain string's content given as
+        one text part to a template that reads parts only."""
+        if self._parts:
+            chat = self.template.as_parts(chat)
         t = self._fast
         ctx = t.new_context({**self._context, "messages": chat, "tools": tools, "documents": None,
                              "add_generation_prompt": gen_prompt}, shared=True)

@@ -41,7 +41,8 @@ class ChatSettings:
         return messages
 
     def _apply(self, tokenizer, template: ChatTemplate, prompt: str | list[dict], tokenize: bool):
-        return tokenizer.apply_chat_template(self.messages(prompt), tools=self.tools, chat_template=template.source,
+        return tokenizer.apply_chat_template(template.as_parts(self.messages(prompt)), tools=self.tools,
+                                             chat_template=template.source,
                                              add_generation_prompt=True, tokenize=tokenize,
                                              **({"return_dict": False} if tokenize else {}), **self.template_kwargs)
 

@@ -55,7 +55,7 @@ def export(model, tokenizer, template, folder: Path, cfg, source: str | None = N
         tokenizer.chat_template = template.source or None  # no template: none written (not an empty one)
         tokenizer.save_pretrained(tmp)
         if images is not None:
-            images.processor.save_pretrained(tmp)
+            images.save(tmp)
         sentencepiece = Path(getattr(tokenizer, "vocab_file", None) or "")
         if sentencepiece.suffix == ".model" and sentencepiece.is_file() and not (tmp / sentencepiece.name).exists():
             shutil.copy(sentencepiece, tmp / sentencepiece.name)  # transformers 5 no longer writes it; converters need it

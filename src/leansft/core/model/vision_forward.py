@@ -34,7 +34,7 @@ def image_inputs(model, input_ids: torch.Tensor, vision: VisionInputs) -> dict:
     """The keywords the model's own forward (and ``generate``) takes the images by, for ``input_ids``."""
     inner = vision_model(model)
     family = vision_family(inner.config)
-    out = {family.type_ids: mm_token_types(inner, input_ids)}
+    out = {family.type_ids: mm_token_types(inner, input_ids)} if family.type_ids else {}
     if vision.pixel_values is not None:
         out["pixel_values"] = vision.pixel_values
         if family.grid:
@@ -58,11 +58,14 @@ def example_positions(inner, input_ids: torch.Tensor, sizes: list[int], vision: 
     return torch.cat(out, dim=2)
 
 
-def image_features(inner, vision: VisionInputs):
-    """The vision tower's output for the batch's images, run without the language model's packing arguments."""
+def image_features(inner, vision: VisionInputs, grid: bool):
+    """The vision tower's output for the batch's images, run without the language model's packing arguments
+    (``grid``: the tower takes each image's patch grid, as Qwen2-VL's does; LLaVA's takes the pixels alone)."""
     if vision.pixel_values is None:
         return None
-    return inner.get_image_features(vision.pixel_values, vision.grid, return_dict=True)
+    if grid:
+        return inner.get_image_features(vision.pixel_values, vision.grid, return_dict=True)
+    return inner.get_image_features(vision.pixel_values, return_dict=True)
 
 
 def packed_vision_forward(model, batch) -> torch.Tensor:
@@ -77,11 +80,11 @@ def packed_vision_forward(model, batch) -> torch.Tensor:
     remember_segment_sizes(batch.segment_sizes)
     sizes = segment_sizes(batch.cu_seqlens)
     vision = batch.vision
-    features = image_features(inner, vision)
+    features = image_features(inner, vision, family.grid)
     positions = example_positions(inner, batch.input_ids, sizes, vision) if family.grid else batch.position_ids
     images = {"mm_encoder_outputs": {"image": features}} if features is not None else {}
-    out = inner(input_ids=batch.input_ids, position_ids=positions, **images,
-                **{family.type_ids: mm_token_types(inner, batch.input_ids)}, use_cache=False,
+    types = {family.type_ids: mm_token_types(inner, batch.input_ids)} if family.type_ids else {}
+    out = inner(input_ids=batch.input_ids, position_ids=positions, **images, **types, use_cache=False,
                 cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
                 max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
     return out.last_hidden_state

@@ -23,18 +23,20 @@ class VisionFamily:
     the ids are expanded after tokenising) or ``text`` (Gemma 3: replaced in the rendered text by a fixed sequence,
     ``image_text``, before tokenising). ``packs``: whether packed rows are exact (Gemma 3's image tokens attend to
     each other both ways, which varlen causal attention cannot do: its batches are padded). ``type_ids``: the
-    keyword under which the model takes the image-token mask. ``grid``: whether its processor gives each image's
-    patch grid (``image_grid_thw``: M-RoPE). ``tower``/``projector``: parameter-name prefixes of the vision
-    encoder and the projector."""
+    keyword under which the model takes the image-token mask (None: it takes none, as LLaVA). ``grid``: whether its
+    processor gives each image's patch grid (``image_grid_thw``: M-RoPE). ``tower``/``projector``: parameter-name
+    prefixes of the vision encoder and the projector. ``template``: a built-in template to train with where the
+    shipped one ends no answer with a stop token (LLaVA-1.5's renders prompts for inference only)."""
 
     name: str
     image_token: str
     expand: str = "repeat"
     packs: bool = True
-    type_ids: str = "mm_token_type_ids"
+    type_ids: str | None = "mm_token_type_ids"
     grid: bool = True
     tower: str = "model.visual."
     projector: str = "model.visual.merger."
+    template: str | None = None
 
     def part(self, name: str) -> str:
         """Which part a parameter (or module) name belongs to: tower, projector or language."""
@@ -45,10 +47,16 @@ class VisionFamily:
 
     def tokens_per_image(self, grid: np.ndarray, config) -> np.ndarray:
         """The model's image tokens for each image: from its (t, h, w) patch grid and the patch merge (Qwen2-VL),
-        or the fixed count of the config (Gemma 3)."""
+        or the fixed count of the config (Gemma 3's ``mm_tokens_per_image``; LLaVA's patches of one resized image,
+        with a CLIP tower's class token where ``vision_feature_select_strategy`` is ``full``)."""
         grid = np.asarray(grid, np.int64).reshape(-1, 3)
         if not self.grid:
-            return np.full(len(grid), int(config.mm_tokens_per_image), np.int64)
+            fixed = getattr(config, "mm_tokens_per_image", None)
+            if fixed is None:
+                vc = config.vision_config
+                fixed = (vc.image_size // vc.patch_size) ** 2 + int(
+                    config.vision_feature_select_strategy == "full" and vc.model_type == "clip_vision_model")
+            return np.full(len(grid), int(fixed), np.int64)
         merge = int(config.vision_config.spatial_merge_size)
         return grid.prod(axis=-1) // (merge * merge)
 
@@ -67,6 +75,8 @@ SUPPORTED: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily("Qwen2.5-VL", "<|image_pad|>"),
     "gemma3": VisionFamily("Gemma 3", "<start_of_image>", expand="text", packs=False, type_ids="token_type_ids",
                            grid=False, tower="model.vision_tower.", projector="model.multi_modal_projector."),
+    "llava": VisionFamily("LLaVA", "<image>", type_ids=None, grid=False, tower="model.vision_tower.",
+                          projector="model.multi_modal_projector.", template="llava"),
 }
 
 
@@ -77,7 +87,7 @@ def is_vision_model(config) -> bool:
 
 def trains_images(config) -> bool:
     """Whether leansft trains this model with images: a vision model of a supported family. Another vision model
-    (Llama 4, Mistral 3, LLaVA, ...) trains on text as before, its images refused by the data's converter."""
+    (Llama 4, Mistral 3, LLaVA-NeXT, ...) trains on text as before, its images refused by the data's converter."""
     return is_vision_model(config) and getattr(config, "model_type", None) in SUPPORTED
 
 

@@ -19,14 +19,14 @@ import numpy as np
 from leansft.core.config import DataConfig, SourceConfig
 from leansft.core.data.clean import content_hash
 from leansft.core.data.dataset import PrepReport, TokenizedDataset
-from leansft.core.data.formats import convert_row, detect_format, map_columns
+from leansft.core.data.formats import Conversation, convert_row, detect_format, map_columns
 from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, ChatTemplate
 from leansft.core.data.sources import parse_row, read_raw_rows
 from leansft.core.data.vision.encode import TextExpandingEncoder, VisionEncoder
 from leansft.core.data.vision.family import VisionFamily
 from leansft.core.data.vision.images import open_image
 from leansft.core.data.vision.processing import ImageProcessing, Pixels
-from leansft.core.errors import ConfigError, DataError, LeanSFTError, ModelError
+from leansft.core.errors import ConfigError, DataError, LeanSFTError, ModelError, TemplateError
 
 log = logging.getLogger("leansft")
 
@@ -185,7 +185,22 @@ def vision_encoder(tokenizer, template: ChatTemplate, family: VisionFamily, conf
                                     *options)
     else:
         text = ChatEncoder(tokenizer, template, *options)
+    if family.template is not None and template.name != family.template:
+        _check_answers_stop(text, family)
     return VisionEncoder(text, family, int(placeholder), image_id, config)
+
+
+def _check_answers_stop(text: ChatEncoder, family: VisionFamily) -> None:
+    """A family whose shipped template renders prompts for inference only (LLaVA-1.5's ends no answer with a stop
+    token): refused before any row is read, naming the built-in template that trains it."""
+    probe = Conversation(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    try:
+        text.encode([probe])
+    except TemplateError as err:
+        raise TemplateError(f"{err.message} ({family.name}'s chat template renders prompts for inference: it ends no "
+                            "answer with a stop token)", field="data.template",
+                            hint=f"set data.template: {family.template} (the same prompts, the end-of-sequence token "
+                                 "after each answer, as the model was trained)") from None
 
 
 _IMAGE_MARKS = ('"image', "<image>", "'image")  # an images column, image parts, image_url, placeholders

@@ -8,7 +8,9 @@ processor that needs torchvision. The processor's text side (one placeholder rep
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,6 +34,7 @@ class ImageProcessing:
         if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
             raise ConfigError(f"vision.min_pixels {min_pixels} is above vision.max_pixels {max_pixels}",
                               field="vision.min_pixels")
+        self.folder = model_path  # the model's own folder: its processor settings (``processor_config.json``) too
         limits = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
         try:
             self.processor = AutoImageProcessor.from_pretrained(model_path, **limits)
@@ -50,6 +53,17 @@ class ImageProcessing:
         if "shortest_edge" not in size or "longest_edge" not in size:
             return None, None
         return int(size["shortest_edge"]), int(size["longest_edge"])
+
+    def save(self, folder: Path) -> None:
+        """The image processor's settings, and the model's processor settings where it ships them (LLaVA's patch
+        size and feature strategy, which ``AutoProcessor`` needs to expand ``<image>``; their chat template left out:
+        the exported tokenizer's is the one trained with)."""
+        self.processor.save_pretrained(folder)
+        shipped = Path(self.folder) / "processor_config.json"
+        if shipped.is_file():
+            settings = json.loads(shipped.read_text())
+            settings.pop("chat_template", None)
+            (folder / shipped.name).write_text(json.dumps(settings, indent=2))
 
     def __call__(self, images: list[Image.Image]) -> Pixels:
         out = self.processor(images=images, return_tensors="pt")
