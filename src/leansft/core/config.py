@@ -114,7 +114,7 @@ class DataConfig(_Strict):
     eval_split: float = Field(0.0, ge=0, lt=1, description="fraction held out when no eval_file is given")
     template: str | None = Field(None,
                                  description="chat template: null = the tokenizer's own; chatml, llama3, qwen2.5, "
-                                             "mistral, gemma or a .jinja file")
+                                             "mistral, gemma, llava (LLaVA-1.5 with a stop token) or a .jinja file")
     loss_on: LossOn = Field("assistant", description="assistant (every assistant turn), last_assistant, or all tokens")
     reasoning: Reasoning = Field("keep", description="assistant thinking (reasoning_content or a "
                                                "leading <think> block): keep = rendered and trained; drop = removed")
