@@ -169,8 +169,8 @@ def test_images_refused_for_a_text_model():
 
 
 def test_unsupported_vision_architecture_refused_by_name():
-    with pytest.raises(ModelError, match="'llava' is not supported yet .*Gemma 3, Qwen2-VL, Qwen2.5-VL"):
-        vision_family(SimpleNamespace(model_type="llava", vision_config=object()))
+    with pytest.raises(ModelError, match="'llava_next' is not supported yet .*Gemma 3, LLaVA, Qwen2-VL, Qwen2.5-VL"):
+        vision_family(SimpleNamespace(model_type="llava_next", vision_config=object()))
 
 
 def test_ids_equal_the_processor_and_no_image_token_carries_loss(arch, rows):
@@ -198,13 +198,12 @@ def test_ids_equal_the_processor_and_no_image_token_carries_loss(arch, rows):
         assert trained.removeprefix(lead) == lead.join(a + end for a in answers)
 
 
+@pytest.mark.parametrize("arch", ["llava"], indirect=True)
 def test_llava_trains_with_the_shipped_prompts_and_a_stop_token(arch, rows):
     """LLaVA-1.5's template as llava-hf ships it ends no answer with a stop token: refused by name, with the built-in
     template to use, whose prompts (every turn's, images included) render as the shipped one renders them, with the
     end-of-sequence token after each earlier answer (LLaVA-1.5's own training format)."""
     tok, model = load(arch)
-    if model.config.model_type != "llava":
-        pytest.skip("LLaVA-1.5 only")
     from leansft.core.errors import TemplateError
 
     with pytest.raises(TemplateError, match="no stop token .* renders prompts for inference") as err:
@@ -419,15 +418,15 @@ def test_llava_trains_resumes_exports_and_answers(demo, arch, tmp_path, capsys):
 
 
 def test_another_vision_model_trains_on_text_as_before(tmp_path):
-    """A vision model of an unsupported family (LLaVA here) keeps the text path: loaded as a causal LM, its data's
-    images refused by the converter, not the whole model refused."""
-    from transformers import LlavaConfig
+    """A vision model of an unsupported family (LLaVA-NeXT here) keeps the text path: loaded as a causal LM, its
+    data's images refused by the converter, not the whole model refused."""
+    from transformers import LlavaNextConfig
 
     from leansft.core.data.vision.family import trains_images
     from leansft.core.data.vision.prepare import vision_config_of
 
-    LlavaConfig().save_pretrained(tmp_path)
-    assert not trains_images(LlavaConfig()) and vision_config_of(str(tmp_path)) is None
+    LlavaNextConfig().save_pretrained(tmp_path)
+    assert not trains_images(LlavaNextConfig()) and vision_config_of(str(tmp_path)) is None
 
 
 def test_text_only_data_of_a_vision_model_takes_the_text_path(rows, tmp_path):
