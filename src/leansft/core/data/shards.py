@@ -13,6 +13,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -183,23 +184,24 @@ def _start_worker() -> None:
     """In a worker: the Rust tokenizer on this process's thread alone (the workers already fill every core; its own
     threads on top of them only contended: 2 workers on 2 cores, 2% faster without), and what the worker inherits
     from the parent frozen for the garbage collector (its full collections walked torch's and transformers'
-    objects: 5% of a worker's time on short chats). On Linux the worker also ends with its parent: a run killed
-    (kill -9) while a stream is read leaves no worker behind, waiting forever on a queue nobody writes."""
+    objects: 5% of a worker's time on short chats). The worker also ends with its parent: a run killed (kill -9)
+    while a stream is read leaves no worker behind, waiting forever on a queue nobody writes."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     gc.freeze()
     _end_with_parent()
 
 
 def _end_with_parent() -> None:
-    """prctl(PR_SET_PDEATHSIG, SIGKILL), where there is one (Linux); elsewhere nothing."""
-    try:
-        import ctypes
-        import signal
+    """A thread that ends this worker once its parent is gone (the parent id changes when it dies): no shared
+    library call, one check a second."""
+    parent = os.getppid()
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="leansft-parent-watch", daemon=True).start()
 
 
 def _map_shards(fn: Callable, shards: Iterator[list], workers: int) -> Iterator[dict]:
