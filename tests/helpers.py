@@ -67,6 +67,25 @@ def write_jsonl(path: Path, rows: list) -> str:
     return str(path)
 
 
+MIX_WORDS = "the a model learns to answer every question about data packing loss memory tokens rows".split()
+
+
+def three_sources(folder: Path) -> list[str]:
+    """Three chat sources of other sizes and answer lengths (the mixture tests' data): a.jsonl 3,000 short answers,
+    b.jsonl 500 long ones, c.jsonl 200 in between; seeded."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+
+    def chats(n: int, lo: int, hi: int, tag: str) -> list[dict]:
+        return [{"messages": [{"role": "user", "content": f"{tag} {i}?"},
+                              {"role": "assistant", "content": " ".join(rng.choice(MIX_WORDS, rng.integers(lo, hi)))}]}
+                for i in range(n)]
+
+    return [write_jsonl(folder / f"{tag}.jsonl", chats(n, lo, hi, tag))
+            for tag, n, lo, hi in (("a", 3000, 5, 20), ("b", 500, 40, 80), ("c", 200, 10, 30))]
+
+
 CHAT = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "What is the capital of France?"},

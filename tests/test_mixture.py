@@ -8,27 +8,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import losses, run_config, train_crashing_after, write_jsonl
+from helpers import losses, run_config, three_sources, train_crashing_after
 
 from leansft.core.config import load_config
 from leansft.core.data.dataset import build_dataset
 from leansft.core.data.masking import resolve_template
 
-WORDS = "the a model learns to answer every question about data packing loss memory tokens rows".split()
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> list[str]:
     """Three sources of other sizes and answer lengths: 3,000 short answers, 500 long ones, 200 in between."""
-    tmp, rng = tmp_path_factory.mktemp("mix"), np.random.default_rng(1)
-
-    def chats(n: int, lo: int, hi: int, tag: str) -> list[dict]:
-        return [{"messages": [{"role": "user", "content": f"{tag} {i}?"},
-                              {"role": "assistant", "content": " ".join(rng.choice(WORDS, rng.integers(lo, hi)))}]}
-                for i in range(n)]
-
-    return [write_jsonl(tmp / f"{tag}.jsonl", chats(n, lo, hi, tag))
-            for tag, n, lo, hi in (("a", 3000, 5, 20), ("b", 500, 40, 80), ("c", 200, 10, 30))]
+    return three_sources(tmp_path_factory.mktemp("mix"))
 
 
 def _mix(sources, *options):

@@ -278,38 +278,40 @@ def test_bad_images_are_one_line_each_or_skipped(demo, parts, tmp_path):
 
 
 @pytest.mark.slow
+def lora_run_and_resume(demo: Path, tmp_path: Path, capsys, *options: str) -> Path:
+    """The demo's config through the CLI (in this process), 12 LoRA steps with ``options``: the held-out loss falls;
+    the run as it stood at step 6 (a copy, its later checkpoint and final/ gone), resumed, logs the same losses.
+    Returns the first run's final/."""
+    from leansft.tools.cli import main
+
+    config = tmp_path / "vision.yaml"
+    config.write_text((ROOT / "examples" / "vision.yaml").read_text().replace("runs/vision-demo", str(demo)))
+    common = [*options, "training.method=lora", "training.lora.r=8", "training.learning_rate=1e-2",
+              "training.max_steps=12", "checkpoint.save_every=6", "eval.eval_every=12", "eval.samples_every=null"]
+    assert main(["train", str(config), f"output_dir={tmp_path / 'a'}", *common]) == 0, capsys.readouterr().err[-2000:]
+    log = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    evals = [x["eval_loss"] for x in log if "eval_loss" in x]
+    assert evals[-1] < evals[0] - 0.5
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "final")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-12")
+    assert main(["train", str(config), f"output_dir={tmp_path / 'b'}", *common, "--resume", "auto"]) == 0
+    first = {x["step"]: x["loss"] for x in log if "loss" in x}
+    resumed = {x["step"]: x["loss"] for x in map(json.loads, (tmp_path / "b" / "metrics.jsonl").read_text().splitlines())
+               if "loss" in x}
+    assert resumed == first
+    return tmp_path / "a" / "final"
+
+
 def test_train_resume_export_generate(demo, tmp_path, capsys, monkeypatch):
     """Through the CLI (in this process): LoRA on the language model lowers the held-out loss; a resumed run
     continues exactly; the exported folder loads with transformers alone and answers about a picture."""
     from leansft.tools.cli import main
 
-    def run_cli(*args):
-        code = main(list(args))
-        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
-
-    config = tmp_path / "vision.yaml"
-    config.write_text((ROOT / "examples" / "vision.yaml").read_text().replace("runs/vision-demo", str(demo)))
-    common = ["training.method=lora", "training.lora.r=8", "training.learning_rate=1e-2", "training.max_steps=12",
-              "checkpoint.save_every=6", "eval.eval_every=12", "eval.num_samples=0", "eval.suites=[]"]
-    r = run_cli("train", str(config), f"output_dir={tmp_path / 'a'}", *common)
-    assert r.returncode == 0, r.stderr[-2000:]
-    log = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    evals = [x["eval_loss"] for x in log if "eval_loss" in x]
-    assert evals[-1] < evals[0] - 0.5
-    # resume: the run as it stood at step 6 (a copy, its later checkpoints and final/ gone), continued
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "final")
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-12")
-    r = run_cli("train", str(config), f"output_dir={tmp_path / 'b'}", *common, "--resume", "auto")
-    assert r.returncode == 0, r.stderr[-2000:]
-    first = {x["step"]: x["loss"] for x in log if "loss" in x}
-    resumed = {x["step"]: x["loss"] for x in map(json.loads, (tmp_path / "b" / "metrics.jsonl").read_text().splitlines())
-               if "loss" in x}
-    assert resumed == first
+    final = lora_run_and_resume(demo, tmp_path, capsys)
     # the export: transformers alone
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    final = tmp_path / "a" / "final"
     model = AutoModelForImageTextToText.from_pretrained(final)
     tok, images = AutoTokenizer.from_pretrained(final), AutoImageProcessor.from_pretrained(final)
     text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
@@ -390,27 +392,10 @@ def test_each_family_trains_resumes_exports_and_answers(demo, arch, tmp_path, ca
     transformers alone (the model class, the tokenizer, the processor) and answers about a picture."""
     from leansft.tools.cli import main
 
-    config = tmp_path / "vision.yaml"
-    config.write_text((ROOT / "examples" / "vision.yaml").read_text().replace("runs/vision-demo", str(demo)))
     kind = json.loads((arch / "config.json").read_text())["model_type"]
-    common = [f"model={arch}", *OPTIONS[kind], "training.method=lora", "training.lora.r=8",
-              "training.learning_rate=1e-2", "training.max_steps=12", "checkpoint.save_every=6", "eval.eval_every=12",
-              "eval.samples_every=null"]
-    assert main(["train", str(config), f"output_dir={tmp_path / 'a'}", *common]) == 0, capsys.readouterr().err[-2000:]
-    log = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    evals = [x["eval_loss"] for x in log if "eval_loss" in x]
-    assert evals[-1] < evals[0] - 0.5
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "final")
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-12")
-    assert main(["train", str(config), f"output_dir={tmp_path / 'b'}", *common, "--resume", "auto"]) == 0
-    first = {x["step"]: x["loss"] for x in log if "loss" in x}
-    resumed = {x["step"]: x["loss"] for x in map(json.loads, (tmp_path / "b" / "metrics.jsonl").read_text().splitlines())
-               if "loss" in x}
-    assert resumed == first
+    final = lora_run_and_resume(demo, tmp_path, capsys, f"model={arch}", *OPTIONS[kind])
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    final = tmp_path / "a" / "final"
     model, tok = AutoModelForImageTextToText.from_pretrained(final), AutoTokenizer.from_pretrained(final)
     # LLaVA's AutoProcessor loads here; Qwen's asks for torchvision (its video processor): its processor class
     processor = AutoProcessor.from_pretrained(final) if kind == "llava" else reference_processor(final, tok,
