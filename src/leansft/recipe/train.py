@@ -236,7 +236,9 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     steps = Prefetched(batcher.steps(state.position, cfg.batching.gradient_accumulation), depth=2,
                        pin=device.type == "cuda")
     stopped = False
-    with steps, StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) as progress, checkpointer:
+    # (a stream's workers stop last, whatever ends the loop: after the thread that reads from them)
+    with contextlib.closing(data), steps, StopFlag() as stop, ProgressBar(total_steps, state.step, rank == 0) \
+            as progress, checkpointer:
         while state.step < total_steps and not evaluator.should_stop:
             t0 = time.perf_counter()
             batches, position = next(steps)
@@ -265,7 +267,6 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
             if stopping:
                 log.warning("stopping at step %d (%s)", state.step, "signal" if stopped else "early stopping")
                 break
-    data.close()
     if data.stream is not None and rank == 0 and state.position.stream:
         report_stream(out, contributions(state.position.stream, cfg.data))
     if cfg.checkpoint.export and not stopped:
