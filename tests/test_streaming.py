@@ -242,3 +242,16 @@ def test_parquet_and_saved_dataset_folders_stream_and_resume_by_row(sources, loa
     for name in ("parquet", "saved"):
         for a, b in zip(made["jsonl"], made[name]):
             assert np.array_equal(a.data.hashes, b.data.hashes) and np.array_equal(a.data.flat()[0], b.data.flat()[0])
+
+
+def test_what_a_saved_stream_position_depends_on(sources, load_tok, qwen25_path):
+    """A checkpoint's stream state means the same after a change of workers or read-ahead, not of the window."""
+    tok = load_tok(qwen25_path)
+
+    def fingerprint(*options):
+        return Stream(_data(sources, "data.mix.mode=interleave", *options), tok, resolve_template(tok, None)
+                      ).fingerprint()
+
+    base = fingerprint()
+    assert fingerprint("data.stream.ahead=5", "data.num_workers=1") == base
+    assert fingerprint("data.stream.window=500") != base and fingerprint("data.mix.by=examples") != base

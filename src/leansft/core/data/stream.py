@@ -417,10 +417,10 @@ def _quick_fingerprint(path: Path) -> str:
 def _fingerprint(cfg: DataConfig, tokenizer, template: ChatTemplate) -> str:
     h = hashlib.sha256()
     parts = [CACHE_VERSION, tokenizer_fingerprint(tokenizer), template.source,
-             json.dumps(cfg.model_dump(mode="json", include={"loss_on", "reasoning", "multi_turn", "max_length",
-                                                              "truncation", "special_tokens_in_content",
-                                                              "on_bad_row", "clean", "mix", "stream"}),
-                        sort_keys=True)]
+             json.dumps({**cfg.model_dump(mode="json", include={"loss_on", "reasoning", "multi_turn", "max_length",
+                                                                "truncation", "special_tokens_in_content",
+                                                                "on_bad_row", "clean", "mix"}),
+                         "window": cfg.stream.window}, sort_keys=True)]  # (not stream.ahead: it changes no order)
     for src in cfg.sources:
         parts.append(json.dumps(src.model_dump(mode="json"), sort_keys=True))
         parts += [_quick_fingerprint(f) for f in stream_files(src)]
