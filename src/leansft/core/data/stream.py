@@ -232,6 +232,7 @@ class Stream:
         self.shares = np.asarray([s.weight for s in sources], np.float64) / sum(s.weight for s in sources)
         self.pool: ShardPool | None = None
         self._fingerprint = _fingerprint(cfg, tokenizer, template)
+        self._first: Window | None = None
 
     def open(self) -> ShardPool:
         """The worker processes, started (forked) now where they are not running: a run starts them before its
@@ -266,9 +267,14 @@ class Stream:
         return behind.index(min(behind))
 
     def windows(self, state: dict) -> Iterator[Window]:
-        """The windows from ``state`` on (a ``start()`` or a window's ``end``), across epochs, forever."""
+        """The windows from ``state`` on (a ``start()`` or a window's ``end``), across epochs, forever. The first
+        window, made already for plan and the check before step 1, is not made again: the stream goes on from its
+        end, as it would have."""
         size = self.cfg.stream.window
         pool = self.open()
+        if self._first is not None and state == self.start():
+            yield self._first
+            state = self._first.end
         while True:
             epoch, number = state["epoch"], state["window"]
             cursors = [Cursor(**c) for c in state["cursors"]]
@@ -349,12 +355,14 @@ class Stream:
     def first_window(self) -> Window:
         """The stream's first window: what plan, doctor and the check before step 1 look at (the workers stopped
         after it: a run starts them again for its loop)."""
-        windows = self.windows(self.start())
-        try:
-            return next(windows)
-        finally:
-            windows.close()
-            self.close()
+        if self._first is None:
+            windows = self.windows(self.start())
+            try:
+                self._first = next(windows)
+            finally:
+                windows.close()
+                self.close()
+        return self._first
 
     def report(self, first: Window) -> PrepReport:
         """The first window's counts, and per source its format, files and share: what a run's report can say before
