@@ -165,6 +165,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def local_world_size() -> int:
+    """Processes of this run on this machine (torchrun's LOCAL_WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def world_size() -> int:
     return tdist.get_world_size() if is_distributed() else 1
 

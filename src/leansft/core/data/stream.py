@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from leansft.core import distributed
 from leansft.core.config import DataConfig, SourceConfig
 from leansft.core.data.dataset import CACHE_VERSION, PrepReport, TokenizedDataset, TokenStore, clean, duplicates
 from leansft.core.data.formats import detect_format, map_columns
@@ -236,10 +237,11 @@ class Stream:
 
     def open(self) -> ShardPool:
         """The worker processes, started (forked) now where they are not running: a run starts them before its
-        training loop's threads do."""
+        training loop's threads do. Every rank reads the whole stream, so by default the ranks on a machine share
+        its cores (8 ranks on 16 cores: 2 workers each, not 16)."""
         if self.pool is None:
-            self.pool = ShardPool({s.key: s.job for s in self.sources}, self.cfg.num_workers or cpu_count(),
-                                  self.cfg.stream.ahead)
+            workers = self.cfg.num_workers or max(1, cpu_count() // distributed.local_world_size())
+            self.pool = ShardPool({s.key: s.job for s in self.sources}, workers, self.cfg.stream.ahead)
         return self.pool
 
     def close(self) -> None:
