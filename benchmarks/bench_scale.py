@@ -107,6 +107,20 @@ def tiny_model(folder: Path, tokenizer: str) -> None:
     tok.save_pretrained(folder)
 
 
+def tiny_run_config(root: Path, tok_dir: Path, data: dict, steps: int, **sections) -> Path:
+    """``root/train.yaml``: the tiny Qwen2 (made once in ``root``) training ``steps`` steps on ``data`` (the config's
+    data section; max_length 1024), 4,096 tokens a micro-batch, no export; ``sections`` merged on top."""
+    model = root / "tiny-qwen2"
+    if not (model / "config.json").exists():
+        tiny_model(model, str(tok_dir))
+    config = root / "train.yaml"
+    config.write_text(json.dumps({
+        "model": str(model), "output_dir": str(root / f"run-{time.time_ns()}"), "data": {"max_length": 1024, **data},
+        "batching": {"tokens_per_micro_batch": 4096}, "training": {"max_steps": steps},
+        "checkpoint": {"export": False}, **sections}))
+    return config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--conversations", type=int, default=250_000)
@@ -136,15 +150,7 @@ def main() -> None:
     _, _, _, out = run_measured([py, "-c", DATASET_RSS, str(data), str(cache), "0", str(tok_dir)])
     added = int(out.split("dataset_rss_added")[1].split()[0])
     print(f"dataset loaded from the cache and planned: RSS added {added / 1e9:.2f} GB")
-    model = root / "tiny-qwen2"
-    if not (model / "config.json").exists():
-        tiny_model(model, str(tok_dir))
-    config = root / "train.yaml"
-    config.write_text(json.dumps({
-        "model": str(model), "output_dir": str(root / f"run-{args.conversations}-{time.time_ns()}"),
-        "data": {"sources": [str(data)], "cache_dir": str(cache), "max_length": 1024},
-        "batching": {"tokens_per_micro_batch": 4096}, "training": {"max_steps": args.steps},
-        "checkpoint": {"export": False}}))
+    config = tiny_run_config(root, tok_dir, {"sources": [str(data)], "cache_dir": str(cache)}, args.steps)
     dt, peak, pss, out = run_measured([py, "-m", "leansft", "train", str(config)])
     print(f"train {args.steps} steps from the cache: {dt:.0f} s wall (model load, plan, verify, steps), "
           f"peak RSS {peak / 1e9:.2f} GB (PSS {pss / 1e9:.2f} GB)")

@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_scale import run_measured  # noqa: E402  (peak RSS of a process tree)
+from bench_scale import run_measured, tiny_run_config  # noqa: E402  (peak RSS of a process tree)
 from bench_tokenize import WORDS, plain, qwen25_tokenizer  # noqa: E402
 
 SHARES = (0.5, 0.3, 0.2)
@@ -189,19 +190,11 @@ def main() -> None:
         print(f"{mode}: {r['examples']:,} conversations of {data.name} in {r['seconds']:.1f} s, {rates[mode]:,.0f} "
               f"tokens/s, peak RSS {peak / 1e9:.2f} GB")
     print(f"streaming / cached preparation: {rates['stream'] / rates['cached']:.2f}x")
-    model = root / "tiny-qwen2"
-    if not (model / "config.json").exists():
-        from bench_scale import tiny_model
-
-        tiny_model(model, str(tok_dir))
-    config = root / "train.yaml"
-    config.write_text(json.dumps({
-        "model": str(model), "output_dir": str(root / f"run-{time.time_ns()}"),
-        "data": {"sources": [{"path": str(data), "streaming": True}], "max_length": 1024},
-        "batching": {"tokens_per_micro_batch": 4096}, "training": {"max_steps": 2}, "logging": {"log_every": 1},
-        "checkpoint": {"export": False, "save_every": 1000}}))
+    config = tiny_run_config(root, tok_dir, {"sources": [{"path": str(data), "streaming": True}]}, 2,
+                             logging={"log_every": 1})
     t0 = time.perf_counter()
-    proc = __import__("subprocess").Popen([py, "-m", "leansft", "train", str(config)], stdout=-1, stderr=-2, text=True)
+    proc = subprocess.Popen([py, "-m", "leansft", "train", str(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     first_step = None
     for line in proc.stdout:
         if first_step is None and line.startswith("step 1 "):
