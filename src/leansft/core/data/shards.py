@@ -229,9 +229,9 @@ def _prepare_keyed(key: str, shard: list[tuple[int, str | dict]]) -> dict:
 
 class ShardPool:
     """Worker processes that prepare the shards of streaming sources while training runs: the cached path's own
-    ``_prepare_shard``, each source's job by its key. The workers are forked once, when the pool is made (before the
-    model loads: they inherit the tokenizer, not the model), and each source keeps ``ahead`` shards per worker in
-    flight: the buffer between preparation and the trainer."""
+    ``_prepare_shard``, each source's job by its key. The workers are forked once, when the pool is made (a run
+    makes it before its training loop's thread starts; the model's pages they inherit are never touched), and each
+    source keeps ``ahead`` shards per worker in flight: the buffer between preparation and the trainer."""
 
     def __init__(self, jobs: dict[str, dict], workers: int, ahead: int) -> None:
         _JOBS.update(jobs)
