@@ -348,13 +348,13 @@ def duplicates(data: TokenizedDataset, source: np.ndarray) -> np.ndarray:
 
 
 def clean(data: TokenizedDataset, cfg: DataConfig, report: PrepReport, truncate: bool = True, *,
-          dedupe: bool | None = None, source: np.ndarray | None = None) -> tuple[TokenizedDataset, TokenizedDataset]:
+          dedupe: bool | None = None) -> tuple[TokenizedDataset, TokenizedDataset]:
     """(the kept examples whole, the kept examples cut to ``cfg.max_length`` and with a target token left): the
-    cleaning every run applies, the cached one over the whole data and a streaming one a window at a time
-    (``stream.py``); the counts go into ``report``. ``source``: each example's source (default its part)."""
+    cleaning every run applies, the cached one over the whole data, a streaming one shard by shard (``stream.py``,
+    ``dedupe=False``: it deduplicates each window); the counts go into ``report``."""
     keep = np.ones(len(data), dtype=bool)
     if cfg.clean.dedupe if dedupe is None else dedupe:
-        keep &= ~duplicates(data, data.source if source is None else source)
+        keep &= ~duplicates(data, data.source)
         report.duplicates_removed += int((~keep).sum())
     lengths = data.lengths
     short = keep & (lengths < cfg.clean.min_tokens)

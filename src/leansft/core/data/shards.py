@@ -166,13 +166,13 @@ def _encode(encoder: ChatEncoder, convs: list[Conversation], path: str, skip: bo
     return encoded, kept
 
 
-def _shards(rows: Iterator[tuple[int, str | dict]]) -> Iterator[list[tuple[int, str | dict]]]:
-    """Consecutive rows, ``SHARD`` at most and about ``SHARD_BYTES`` of raw text: boundaries depend on the
-    data only, never on the number of workers."""
+def cut_shards(rows: Iterator[tuple]) -> Iterator[list[tuple]]:
+    """Consecutive rows (``(number, raw, ...)``, kept as given), ``SHARD`` at most and about ``SHARD_BYTES`` of raw
+    text: boundaries depend on the data only, never on the number of workers."""
     shard, size = [], 0
-    for number, raw in rows:
-        shard.append((number, raw))
-        size += len(raw) if isinstance(raw, str) else 0
+    for row in rows:
+        shard.append(row)
+        size += len(row[1]) if isinstance(row[1], str) else 0
         if len(shard) >= SHARD or size >= SHARD_BYTES:
             yield shard
             shard, size = [], 0
@@ -313,7 +313,7 @@ def prepare_source(src: SourceConfig, cfg: DataConfig, encoder: ChatEncoder, fol
         log.info("%s: detected format '%s' from row %d", src.path, fmt, first[0])
     _JOB.update(src=src, cfg=cfg, encoder=encoder, format=fmt)
     workers = cfg.num_workers or cpu_count()
-    shards = _shards(chain([first], rows))
+    shards = cut_shards(chain([first], rows))
     per_example: dict[str, list[np.ndarray]] = {name: [] for name in EXAMPLE_FILES}
     counts: Counter = Counter()
     bad: list[str] = []

@@ -8,8 +8,10 @@ record batch, csv by line, datasets row by row) except a JSON array file, which 
 
 from __future__ import annotations
 
+import bisect
 import csv
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,18 +27,25 @@ def _not_utf8(path: Path, err: UnicodeDecodeError, offset: int, row: int | None)
                      file=str(path), row=row, hint="re-encode the file as UTF-8")
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """Decoded non-blank lines; decoded one by one so a bad byte names its line and offset."""
-    offset = 0
+def _jsonl_from(path: Path, offset: int = 0, line: int = 0) -> Iterator[tuple[int, str, int]]:
+    """``(line number, decoded non-blank line, its byte offset)`` from byte ``offset`` (the start of line ``line +
+    1``) on; decoded one by one so a bad byte names its line and offset."""
     with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+        fh.seek(offset)
+        for raw in fh:
+            line += 1
             try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                text = raw.decode("utf-8-sig" if offset == 0 else "utf-8")
             except UnicodeDecodeError as err:
-                raise _not_utf8(path, err, offset, lineno) from None
+                raise _not_utf8(path, err, offset, line) from None
+            if text.strip():
+                yield line, text, offset
             offset += len(raw)
-            if line.strip():
-                yield lineno, line
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    for number, text, _ in _jsonl_from(path):
+        yield number, text
 
 
 def parse_row(raw: str | dict, file: str, number: int) -> dict:
@@ -113,18 +122,68 @@ def _csv_rows(path: Path, reader) -> Iterator[tuple[int, dict]]:
                              "(\"\" inside a quoted field)") from None
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[int, dict]]:
+def _parquet_from(path: Path, start: int = 0) -> Iterator[tuple[int, dict, int]]:
+    """``(row number, row, row index)`` from row index ``start`` on, reading from the row group that holds it."""
     import pyarrow.parquet as pq
 
     try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
-        i = 0
-        for batch in batches:
+        pf = pq.ParquetFile(path)
+        sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+        first = bisect.bisect_right(list(itertools.accumulate(sizes)), start)
+        at = sum(sizes[:first])
+        for batch in pf.iter_batches(batch_size=4096, row_groups=list(range(first, len(sizes)))):
             for row in batch.to_pylist():
-                i += 1
-                yield i, row
+                if at >= start:
+                    yield at + 1, row, at
+                at += 1
     except Exception as err:  # pyarrow raises several types for a bad file
         raise DataError(f"cannot read parquet: {err}", file=str(path)) from None
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, dict]]:
+    for number, row, _ in _parquet_from(path):
+        yield number, row
+
+
+def _saved_dataset_from(path: Path, split: str, start: int) -> Iterator[tuple[int, dict, int]]:
+    """A saved dataset folder's ``(row number, row, row index)`` from row index ``start`` on (memory-mapped)."""
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"split '{split}' not found; available: {sorted(ds)}", file=str(path))
+        ds = ds[split]
+    for first in range(start, len(ds), 1024):
+        batch = ds[first : first + 1024]
+        for k in range(len(next(iter(batch.values()), []))):
+            yield first + k + 1, {name: values[k] for name, values in batch.items()}, first + k
+
+
+def _kind(path: Path) -> str:
+    return "dataset" if path.is_dir() else path.suffix.lower()
+
+
+def seeks_by(path: Path) -> str:
+    """How ``raw_rows_from`` finds a place in ``path``."""
+    return {".jsonl": "byte offset", ".parquet": "row", "dataset": "row"}.get(_kind(path), "reading up to the row")
+
+
+def raw_rows_from(path: Path, offset: int, line: int, split: str = "train") -> Iterator[tuple[int, str | dict, int]]:
+    """``read_raw_rows`` of one local file or saved dataset folder from a place in it: ``(row number, raw row,
+    where the row starts)``, ``where`` a byte offset in a .jsonl file (``line``: the row number before it), a row
+    index elsewhere. A .csv or .json file is read from its start again up to the row."""
+    kind = _kind(path)
+    if kind == ".jsonl":
+        yield from _jsonl_from(path, offset, line)
+    elif kind == ".parquet":
+        yield from _parquet_from(path, offset)
+    elif kind == "dataset":
+        yield from _saved_dataset_from(path, split, offset)
+    else:
+        for number, raw in read_raw_rows(str(path), split):
+            if number > offset:
+                yield number, raw, number - 1
 
 
 def _read_hf(path_or_name: str, split: str) -> Iterator[tuple[int, dict]]:

@@ -29,14 +29,13 @@ from leansft.core.config import DataConfig, SourceConfig
 from leansft.core.data.dataset import CACHE_VERSION, PrepReport, TokenizedDataset, TokenStore, clean, duplicates
 from leansft.core.data.formats import detect_format, map_columns
 from leansft.core.data.masking import ChatEncoder, ChatTemplate
-from leansft.core.data.shards import SHARD, SHARD_BYTES, ShardPool, cpu_count
-from leansft.core.data.sources import parse_row, read_raw_rows
+from leansft.core.data.shards import ShardPool, cpu_count, cut_shards
+from leansft.core.data.sources import parse_row, raw_rows_from, seeks_by
 from leansft.core.data.tokenizer import tokenizer_fingerprint
 from leansft.core.errors import ConfigError, DataError
 
 log = logging.getLogger("leansft")
 STREAM_FILES = (".jsonl", ".parquet")  # what a folder of shards is read for
-SEEKABLE = {".jsonl": "byte offset", ".parquet": "row", "dataset": "row"}
 
 
 @dataclass
@@ -71,63 +70,6 @@ def stream_files(src: SourceConfig) -> list[Path]:
         "be downloaded, then stream that folder)"), file=src.path, field="data.sources[*].streaming")
 
 
-def _kind(path: Path) -> str:
-    return "dataset" if path.is_dir() else path.suffix.lower()
-
-
-def _rows_from(path: Path, offset: int, line: int, split: str) -> Iterator[tuple[int, str | dict, int]]:
-    """``(row number, raw row, where the row starts)`` from ``offset`` on: a byte offset into a .jsonl file, a row
-    index elsewhere (a .csv or .json file is read from its start again up to it)."""
-    kind = _kind(path)
-    if kind == ".jsonl":
-        with path.open("rb") as fh:
-            fh.seek(offset)
-            for raw in fh:
-                line += 1
-                try:
-                    text = raw.decode("utf-8-sig" if offset == 0 else "utf-8")
-                except UnicodeDecodeError as err:
-                    raise DataError(f"not UTF-8 text: byte 0x{err.object[err.start]:02x} at byte offset "
-                                    f"{offset + err.start}", file=str(path), row=line,
-                                    hint="re-encode the file as UTF-8") from None
-                if text.strip():
-                    yield line, text, offset
-                offset += len(raw)
-        return
-    if kind == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            pf = pq.ParquetFile(path)
-            sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
-            first = int(np.searchsorted(np.cumsum(sizes), offset, side="right"))
-            at = sum(sizes[:first])
-            for batch in pf.iter_batches(batch_size=4096, row_groups=list(range(first, len(sizes)))):
-                for row in batch.to_pylist():
-                    if at >= offset:
-                        yield at + 1, row, at
-                    at += 1
-        except Exception as err:  # pyarrow raises several types for a bad file
-            raise DataError(f"cannot read parquet: {err}", file=str(path)) from None
-        return
-    if kind == "dataset":
-        import datasets
-
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise DataError(f"split '{split}' not found; available: {sorted(ds)}", file=str(path))
-            ds = ds[split]
-        for start in range(offset, len(ds), 1024):
-            batch = ds[start : start + 1024]
-            for k in range(len(next(iter(batch.values()), []))):
-                yield start + k + 1, {name: values[k] for name, values in batch.items()}, start + k
-        return
-    for number, raw in read_raw_rows(str(path), split):  # .csv, .json: no seeking; read up to the cursor
-        if number > offset:
-            yield number, raw, number - 1
-
-
 class SourceStream:
     """One streaming source: its shards from a cursor, prepared by the pool and cleaned, one example at a time."""
 
@@ -135,7 +77,7 @@ class SourceStream:
         self.index, self.src, self.cfg, self.truncate = index, src, cfg, truncate
         self.files = stream_files(src)
         self.key = f"stream-{index}"
-        first = next(_rows_from(self.files[0], 0, 0, src.split), None)
+        first = next(raw_rows_from(self.files[0], 0, 0, src.split), None)
         if first is None:
             raise DataError("no rows (empty data)", file=str(self.files[0]))
         self.format = src.format
@@ -153,18 +95,9 @@ class SourceStream:
         cursor's shard on (so a resumed stream cuts the same shards)."""
         for f in range(cursor.file, len(self.files)):
             offset, line = (cursor.offset, cursor.line) if f == cursor.file else (0, 0)
-            shard: list[tuple[int, str | dict]] = []
-            size, at = 0, None
-            for number, raw, where in _rows_from(self.files[f], offset, line, self.src.split):
-                if not shard:
-                    at = Cursor(cursor.lap, f, where, number - 1)
-                shard.append((number, raw))
-                size += len(raw) if isinstance(raw, str) else 0
-                if len(shard) >= SHARD or size >= SHARD_BYTES:
-                    yield at, shard
-                    shard, size = [], 0
-            if shard:
-                yield at, shard
+            for shard in cut_shards(raw_rows_from(self.files[f], offset, line, self.src.split)):
+                number, _, where = shard[0]
+                yield Cursor(cursor.lap, f, where, number - 1), [(n, raw) for n, raw, _ in shard]
 
     def examples(self, pool: ShardPool, cursor: Cursor) -> Iterator[tuple[Cursor, TokenizedDataset, int, int]]:
         """``(the cursor at the example's shard, the cleaned shard, the example's index in it, its target tokens)``
@@ -377,7 +310,7 @@ class Stream:
         counts = np.bincount(first.source, minlength=len(self.sources))
         for s, share, n in zip(self.sources, self.shares, counts):
             report.sources.append({"path": s.src.path, "format": s.format, "streaming": True, "files": len(s.files),
-                                   "seeks_by": SEEKABLE.get(_kind(s.files[0]), "reading up to the row"),
+                                   "seeks_by": seeks_by(s.files[0]),
                                    "weight": s.src.weight, "share_asked": round(float(share), 4),
                                    "examples": int(n), "examples_in_first_window": int(n)})
         return report
