@@ -94,3 +94,11 @@ def test_plan_reads_a_configs_mix_and_says_what_each_source_gives(sources, qwen2
     shares = [s["share_got"] for s in json.loads((tmp_path / "plan.json").read_text())["preparation"]["sources"]]
     assert shares == pytest.approx([0.5, 0.3, 0.2], abs=0.001)
     assert main(["plan", "--config", str(config), "--data", sources[0]]) == 2  # one or the other
+
+
+def test_stop_steps_on_cached_sources_is_the_all_exhausted_mix(sources, load_tok, qwen25_path):
+    """(A run repeats the mix as long as it goes; streaming sources repeat themselves instead: test_streaming.)"""
+    tok = load_tok(qwen25_path)
+    steps, _ = build_dataset(_mix(sources, "data.mix.stop=steps"), tok, resolve_template(tok, None), seed=0)
+    whole, _ = build_dataset(_mix(sources, "data.mix.stop=all_exhausted"), tok, resolve_template(tok, None), seed=0)
+    assert steps.fingerprint() == whole.fingerprint()

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from helpers import losses, run_config, three_sources
 
@@ -87,8 +88,10 @@ def test_a_stream_whose_window_holds_the_source_trains_the_cached_runs_losses(tm
     train(cached)
     streamed = run_config(tmp_path / "stream", tiny_run_assets, "training.max_steps=4",
                           f"data.sources=[{{path: {tiny_run_assets['data']}, streaming: true}}]",
-                          "data.stream.window=1000")
+                          "data.stream.window=1000", "data.num_workers=2")
+    before = {c.pid for c in psutil.Process().children()}
     train(streamed)
+    assert {c.pid for c in psutil.Process().children()} <= before  # its data workers stopped with the loop
     assert losses(Path(streamed.output_dir)) == losses(Path(cached.output_dir))
     assert not list((tmp_path / "stream" / "cache").glob("tokenized/*"))  # nothing cached
 
@@ -119,7 +122,6 @@ def test_a_streaming_run_killed_and_resumed_trains_the_uninterrupted_losses(tmp_
     import sys
     import time
 
-    import psutil
     import yaml
 
     other = tmp_path / "other.jsonl"
@@ -255,3 +257,39 @@ def test_what_a_saved_stream_position_depends_on(sources, load_tok, qwen25_path)
     base = fingerprint()
     assert fingerprint("data.stream.ahead=5", "data.num_workers=1") == base
     assert fingerprint("data.stream.window=500") != base and fingerprint("data.mix.by=examples") != base
+
+
+def test_the_first_window_is_made_once(sources, load_tok, qwen25_path):
+    """Made for plan and the check before step 1, then the stream's first window again, not prepared anew."""
+    tok = load_tok(qwen25_path)
+    stream = Stream(_data(sources[:1], "data.stream.window=500", "data.num_workers=1", weights=(1,)), tok,
+                    resolve_template(tok, None))
+    first = stream.first_window()
+    windows = stream.windows(stream.start())
+    assert next(windows) is first and next(windows).start == first.end
+    windows.close()
+    stream.close()
+
+
+def test_the_ranks_on_a_machine_share_its_cores(sources, load_tok, qwen25_path, monkeypatch):
+    import leansft.core.data.stream as stream_module
+
+    tok = load_tok(qwen25_path)
+    monkeypatch.setattr(stream_module, "cpu_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    stream = Stream(_data(sources[:1], weights=(1,)), tok, resolve_template(tok, None))
+    try:
+        assert stream.open().workers == 2  # each rank reads the whole stream: 4 cores, 2 ranks, 2 workers each
+    finally:
+        stream.close()
+
+
+def test_a_source_read_through_too_often_is_warned_about(sources, caplog):
+    from leansft.core.data.stream import contributions
+
+    cfg = _data(sources[:2], "data.mix.mode=interleave", "data.mix.by=examples", weights=(3, 1))
+    state = {"epoch": 0, "cursors": [{"lap": 0}, {"lap": 9}],
+             "taken": {"examples": [300, 100], "tokens": [3000, 500], "through": [False, True]}}
+    given = contributions(state, cfg)
+    assert [g["share_got"] for g in given] == [0.75, 0.25] and [g["read_through"] for g in given] == [0, 9]
+    assert "b.jsonl: read through 9 times" in caplog.text and "a.jsonl: read through" not in caplog.text

@@ -168,6 +168,18 @@ def test_images_refused_for_a_text_model():
         convert_row(row, "messages", "f.jsonl", 1)
 
 
+def test_llava_tokens_per_image_follow_the_tower_and_the_feature_strategy():
+    """A CLIP tower's class token is an image token only under ``full``; a SigLIP tower has none."""
+    def config(strategy, tower):
+        return SimpleNamespace(vision_feature_select_strategy=strategy, vision_config=SimpleNamespace(
+            image_size=336, patch_size=14, model_type=tower))
+
+    family = vision_family(SimpleNamespace(model_type="llava", vision_config=object()))
+    cases = (("default", "clip_vision_model"), ("full", "clip_vision_model"), ("full", "siglip_vision_model"))
+    counts = [int(family.tokens_per_image(np.zeros((1, 3)), config(s, t))[0]) for s, t in cases]
+    assert counts == [576, 577, 576]
+
+
 def test_unsupported_vision_architecture_refused_by_name():
     with pytest.raises(ModelError, match="'llava_next' is not supported yet .*Gemma 3, LLaVA, Qwen2-VL, Qwen2.5-VL"):
         vision_family(SimpleNamespace(model_type="llava_next", vision_config=object()))
@@ -210,6 +222,9 @@ def test_llava_trains_with_the_shipped_prompts_and_a_stop_token(arch, rows):
         prepared(arch, (tok, model), rows, template="tokenizer")
     assert "data.template: llava" in err.value.hint
     shipped, ours = resolve_template(tok, None), resolve_template(tok, "llava")
+    from leansft.core.inference.generation import ChatSettings  # chat and generate give a plain string as a part
+
+    assert ChatSettings().render(tok, shipped, "Hi there") == "USER: Hi there ASSISTANT:"
     for i, row in enumerate(ROWS):
         messages = copy.deepcopy(row["messages"])
         messages[0]["content"] = AS_PARTS[i]
@@ -400,6 +415,9 @@ def test_each_family_trains_resumes_exports_and_answers(demo, arch, tmp_path, ca
     # LLaVA's AutoProcessor loads here; Qwen's asks for torchvision (its video processor): its processor class
     processor = AutoProcessor.from_pretrained(final) if kind == "llava" else reference_processor(final, tok,
                                                                                                   model.config)
+    if kind == "llava":  # the processor's settings exported; its chat template the one trained with
+        assert "chat_template" not in json.loads((final / "processor_config.json").read_text())
+        assert processor.chat_template == tok.chat_template == resolve_template(tok, "llava").source
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = processor(text=[text], images=[Image.new("RGB", (64, 64), (220, 30, 30))], return_tensors="pt",
