@@ -165,7 +165,7 @@ class Stream:
         self.sources = [SourceStream(i, s, cfg, encoder, truncate) for i, s in enumerate(sources)]
         self.shares = np.asarray([s.weight for s in sources], np.float64) / sum(s.weight for s in sources)
         self.pool: ShardPool | None = None
-        self._fingerprint = _fingerprint(cfg, tokenizer, template)
+        self._fingerprint = _fingerprint(cfg, tokenizer, template, [s.files for s in self.sources])
         self._first: Window | None = None
 
     def open(self) -> ShardPool:
@@ -357,16 +357,16 @@ def _quick_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fingerprint(cfg: DataConfig, tokenizer, template: ChatTemplate) -> str:
+def _fingerprint(cfg: DataConfig, tokenizer, template: ChatTemplate, files: list[list[Path]]) -> str:
     h = hashlib.sha256()
     parts = [CACHE_VERSION, tokenizer_fingerprint(tokenizer), template.source,
              json.dumps({**cfg.model_dump(mode="json", include={"loss_on", "reasoning", "multi_turn", "max_length",
                                                                 "truncation", "special_tokens_in_content",
                                                                 "on_bad_row", "clean", "mix"}),
                          "window": cfg.stream.window}, sort_keys=True)]  # (not stream.ahead: it changes no order)
-    for src in cfg.sources:
+    for src, read in zip(cfg.sources, files, strict=True):  # each source's files as its stream reads them
         parts.append(json.dumps(src.model_dump(mode="json"), sort_keys=True))
-        parts += [_quick_fingerprint(f) for f in stream_files(src)]
+        parts += [_quick_fingerprint(f) for f in read]
     for part in parts:
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:32]
