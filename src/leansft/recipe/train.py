@@ -200,6 +200,7 @@ def run_training(cfg: RunConfig, resume: str | None, out: Path, storage: distrib
     precision = head_precision(cfg, device, amp)
     cfg.batching.strategy = verified_strategy(cfg, model, data.train, pad_id(data.tokenizer), precision)
     store_frozen_base(cfg, model, data.train, cfg.batching.strategy, pad_id(data.tokenizer), device, amp)
+    # (a stream's: over its first window, for the checks before step 1; the loop reads a StreamBatcher, below)
     batcher = Batcher(data.train, cfg.batching, cfg.data.max_length, pad_id(data.tokenizer), cfg.training.seed,
                       grid.dp_rank, grid.dp_size, (grid.cp_rank, grid.cp_size))
     total_steps = cfg.training.max_steps if data.stream is not None else count_steps(cfg, batcher)
