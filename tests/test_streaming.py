@@ -117,11 +117,9 @@ def test_a_streaming_run_killed_and_resumed_trains_the_uninterrupted_losses(tmp_
     (SIGKILL) after its step-6 checkpoint: its data workers end with it, and the resume (seeking each source to its
     saved offset) trains the uninterrupted run's losses."""
     import os
-    import signal
-    import subprocess
-    import sys
     import time
 
+    import launcher
     import yaml
 
     other = tmp_path / "other.jsonl"
@@ -141,19 +139,17 @@ def test_a_streaming_run_killed_and_resumed_trains_the_uninterrupted_losses(tmp_
     cut = run_config(tmp_path / "b", tiny_run_assets, *mix, "checkpoint.save_every=3")
     config = tmp_path / "b.yaml"
     config.write_text(yaml.safe_dump(cut.model_dump(mode="json")))
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(config)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    script = tmp_path / "killed_run.py"
+    script.write_text(KILLED_RUN)
     step6, deadline = Path(cut.output_dir) / "checkpoints" / "step-6", time.monotonic() + 240
-    try:
-        while not (step6 / "manifest.json").exists():
+    with launcher.Launch([str(script), str(config)], env={**os.environ, "OMP_NUM_THREADS": "1"}) as proc:
+        while not (step6 / "manifest.json").exists():  # (leaving the with kills the run in any case)
             assert proc.poll() is None, "the run ended before it could be killed"
             assert time.monotonic() < deadline, "no step-6 checkpoint in 240 s"
             time.sleep(0.05)
-        workers = psutil.Process(proc.pid).children(recursive=True)
+        workers = psutil.Process(proc.pids[0]).children(recursive=True)
         assert len(workers) == 2  # the stream's workers, reading ahead
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.kill()
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, "a data worker outlived its killed run"
     assert max(losses(Path(cut.output_dir))) < 12  # killed before the end

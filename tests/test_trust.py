@@ -19,6 +19,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import launcher
 import pytest
 import yaml
 from helpers import run_config
@@ -207,12 +208,14 @@ def test_a_run_deletes_only_what_leansft_wrote_in_its_folders(tmp_path, trained,
 @pytest.mark.slow
 def test_two_runs_started_together_on_one_fresh_folder_train_once(tmp_path, tiny_run_assets):
     cfg = config_file(tmp_path, tiny_run_assets, "training.max_steps=2")
-    procs = [subprocess.Popen([sys.executable, "-m", "leansft", "train", cfg], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    procs = [launcher.Launch(["-m", "leansft", "train", cfg]) for _ in range(2)]  # forked (tests/launcher.py)
+    for p in procs:
+        with p:
+            p.wait(timeout=300)
+            p.said = p.stderr()
     codes = sorted(p.returncode for p in procs)
-    assert codes == [0, 2], outs
-    loser = next(err for p, (_, err) in zip(procs, outs) if p.returncode == 2)
+    assert codes == [0, 2], [p.said for p in procs]
+    loser = next(p.said for p in procs if p.returncode == 2)
     assert "in use by another leansft run" in loser and "Traceback" not in loser
 
 

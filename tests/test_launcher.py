@@ -1,0 +1,68 @@
+"""tests/launcher.py, which starts the multi-process tests' ranks: they must see what torchrun's ranks see, meet
+through its store, and end as torchrun ends them. Its scripts import nothing heavy, so torchrun costs little here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import launcher
+
+ENV = """
+import json, os, sys
+print(json.dumps({k: os.environ[k] for k in os.environ if k not in sys.argv[1].split(",")}))
+"""
+
+# Set per launch (a port, an id, a file of the launch's own): their presence is compared, not their values.
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+
+
+def test_ranks_see_torchruns_environment(tmp_path):
+    script = tmp_path / "env.py"
+    script.write_text(ENV)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    given = ",".join(env)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    real = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", str(script), given],
+                          capture_output=True, text=True, env=env, timeout=120, check=True)
+    forked = launcher.run([str(script), given], 2, env=env, timeout=120)
+    assert forked.returncode == 0, forked.stderr
+    want, got = ([json.loads(line) for line in sorted(out.splitlines()) if line.startswith("{")]
+                 for out in (real.stdout, forked.stdout))
+    want = sorted(({k: v for k, v in w.items() if k != "_"} for w in want), key=lambda e: e["RANK"])
+    got = sorted(got, key=lambda e: e["RANK"])
+    assert [set(e) for e in got] == [set(e) for e in want]
+    for w, g in zip(want, got, strict=True):
+        assert {k: v for k, v in g.items() if k not in PER_LAUNCH} == {k: v for k, v in w.items()
+                                                                        if k not in PER_LAUNCH}
+
+
+RANKS = """
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {total.item():.0f}", flush=True)
+if dist.get_rank() == 1:
+    sys.exit(3)
+time.sleep(120)  # rank 0 waits: a peer's failure must end it
+"""
+
+
+def test_ranks_meet_through_the_store_and_a_failed_rank_ends_the_launch(tmp_path):
+    """torchrun's way: the first failure's exit code is the launch's, and the ranks still running are ended."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    t0 = time.monotonic()
+    with launcher.Launch([str(script)], 2) as ranks:
+        assert ranks.wait(timeout=90) == 3, ranks.output()
+        assert time.monotonic() - t0 < launcher.GRACE_S + 30
+        assert sorted(ranks.stdout().splitlines()) == ["rank 0 of 2: 3", "rank 1 of 2: 3"]
+        assert [p.exitcode for p in ranks.procs] == [-15, 3]  # rank 0 ended by SIGTERM
+    assert not ranks.folder.exists()  # its output files went with it
