@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,3 +328,37 @@ def test_the_real_gemma3_tokenizer_exports_as_sentencepiece(tmp_path, gemma3_pat
     assert fields["tokenizer.ggml.model"] == "llama" and fields.get("tokenizer.ggml.add_space_prefix") is False
     texts = list(PROBE_TEXTS[:6])
     assert _gguf_ids(path, texts) == [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+CONVERTS = """
+import sys, time
+from pathlib import Path
+from leansft.core.model import loading
+real, made = loading._convert_gguf, []
+def slowly(gguf, out):  # long enough for the other process to arrive while this one converts
+    made.append(out)
+    time.sleep(1.0)
+    return real(gguf, out)
+loading._convert_gguf = slowly
+print(loading.gguf_to_hf(Path(sys.argv[1]), Path(sys.argv[2])), len(made))
+"""
+
+
+def test_a_gguf_two_processes_need_is_converted_once(tmp_path, tiny_bpe_path):
+    """Two runs (or jobs) started together on one GGUF and one cache: the second waits for the first's conversion
+    and uses its folder (before, both converted it, twice the time and memory)."""
+    import launcher
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
+    gguf = gguf_of(tf.AutoModelForCausalLM.from_config(CONFIGS["llama"](len(tok))), tok, tmp_path / "m.gguf")
+    script = tmp_path / "convert.py"
+    script.write_text(CONVERTS)
+    runs = [launcher.Launch([str(script), str(gguf), str(tmp_path / "cache")]) for _ in range(2)]
+    said = []
+    for run in runs:
+        with run:
+            assert run.wait(timeout=120) == 0, run.stderr()
+            said.append(run.stdout().split())
+    assert said[0][0] == said[1][0] and sorted(n for _, n in said) == ["0", "1"], said
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.startswith(".")] == \
+        [Path(said[0][0]).name]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import importlib.util
+import logging
 import os
 import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -19,6 +24,28 @@ def default_cache_dir() -> Path:
 
 def cache_dir(configured: str | None) -> Path:
     return Path(configured) if configured else default_cache_dir()
+
+
+@contextlib.contextmanager
+def made_once(lock: Path, what: str) -> Iterator[None]:
+    """Hold an OS lock on ``lock`` (a file beside what the block makes in a cache folder) for the block: a second
+    process making the same thing (two runs, two jobs on one machine) waits and then finds it made, instead of
+    making it again beside the first. Where the file system has no working locks, the block runs unguarded, as
+    before (its writes are atomic renames: the later one wins, with the same content)."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EACCES, errno.EAGAIN):
+                logging.getLogger("leansft").info("waiting for another process making %s", what)
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+            elif err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+        yield
+    finally:
+        os.close(fd)  # (the lock goes with it)
 
 
 def resolve_package_path(spec: str) -> str:

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from leansft.core.data.vision.family import trains_images
 from leansft.core.errors import ModelError
 from leansft.core.gguf.read import complete_from_gguf
-from leansft.core.paths import HUB_HINT, default_cache_dir, hub_unreachable, resolve_package_path
+from leansft.core.paths import HUB_HINT, default_cache_dir, hub_unreachable, made_once, resolve_package_path
 from leansft.core.progress import phase
 
 log = logging.getLogger("leansft")
@@ -56,9 +56,12 @@ def gguf_to_hf(gguf: Path, cache_dir: Path) -> Path:
     out = cache_dir / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
-    with phase(f"converting {gguf.name} into a Hugging Face folder (once): {out}"), \
-            torch.random.fork_rng():  # building the model draws random init; keep the caller's RNG untouched
-        return _convert_gguf(gguf, out)
+    with made_once(out.parent / f".{out.name}.lock", f"{out.name} from {gguf.name}"):
+        if (out / "config.json").exists():  # made by the process this one waited for
+            return out
+        with phase(f"converting {gguf.name} into a Hugging Face folder (once): {out}"), \
+                torch.random.fork_rng():  # building the model draws random init; keep the caller's RNG untouched
+            return _convert_gguf(gguf, out)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> Path:
