@@ -11,8 +11,9 @@ worker) is tested through torchrun (tests/test_distributed.py, tests/test_recove
 The fork server's environment is the pytest worker's when it started: what Python or a library reads at import
 (``PYTHONUNBUFFERED``, HF_HUB_OFFLINE, the OpenMP thread count) is that, and the rest of ``env`` is set before the
 entry point runs (the thread count through ``torch.set_num_threads``). Each process writes the CPU it spent to a
-file read back here (``spent``), so ``LEANSFT_TEST_CPU`` counts forked processes with the test that started them;
-the server itself is reaped at the session's end (``stop``), so ``time make test`` counts them too.
+file read back here (``spent``), so ``LEANSFT_TEST_CPU`` counts forked processes with the test that started them
+(not those ``torch.multiprocessing`` forks through ``context()``, nor one killed before it could write); the server
+itself is reaped at the session's end (``stop``), so ``time make test`` counts them all.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ GRACE_S = 10  # after a rank fails, the others' time to end on SIGTERM before SI
 _SPENT = [0.0]
 
 
-def _context():
+def context():
+    """The fork server's context (also for ``torch.multiprocessing.start_processes(start_method="forkserver")``)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -144,7 +146,7 @@ class Launch:
                     for r in range(world)]
             if nodes is None:
                 cwds = cwds * world
-        ctx = _context()
+        ctx = context()
         n = len(envs)
         self.out, self.err, self.cpu = ([self.folder / f"{kind}-{r}" for r in range(n)]
                                         for kind in ("out", "err", "cpu"))

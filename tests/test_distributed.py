@@ -1,4 +1,5 @@
-"""torchrun with 2 CPU processes (gloo): world-size invariance for DDP and FSDP2, and resume."""
+"""Two CPU ranks (gloo), started as torchrun starts them (tests/launcher.py; torchrun itself where the test is about
+torchrun): world-size invariance for DDP and FSDP2, and resume."""
 
 from __future__ import annotations
 
@@ -240,10 +241,12 @@ def test_a_rank_that_left_its_process_group_ends_without_the_interpreters_teardo
 
 
 def _spawn(mp, fn, args: tuple, nprocs: int, timeout_s: float = 180) -> None:
-    """``mp.spawn`` that fails instead of hanging: ranks still running after ``timeout_s`` are killed."""
+    """``mp.spawn`` that fails instead of hanging: ranks still running after ``timeout_s`` are killed. The ranks are
+    forked by tests/launcher.py's fork server (torch and leansft imported there once), not new interpreters."""
     import time
 
-    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    launcher.context()  # its fork server, with what it imports
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -399,8 +402,8 @@ def one_process(tmp_path_factory, tiny_run_assets) -> dict[int, float]:
 
 
 def _node_losses(nodes: list[Path]) -> dict[int, float]:
-    """The run's losses as rank 0 logged them: rank 0 may be on either node in each launch (c10d orders the
-    agents itself), so its metrics.jsonl is read on both."""
+    """The run's losses as rank 0 logged them, read on both nodes (under torchrun's c10d rendezvous rank 0 may be on
+    either node in each launch)."""
     found: dict[int, float] = {}
     for n in nodes:
         if (n / "run" / "metrics.jsonl").exists():
