@@ -22,8 +22,8 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,7 +71,9 @@ def _entry(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, c
     os.environ.update(env)
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own, to its end)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     if "OMP_NUM_THREADS" in env:
@@ -214,6 +216,7 @@ class Launch:
         return self.returncode
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to every process still running (SIGKILL: and wait until they are gone)."""
         for p in self.procs:
             if p.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -230,10 +233,10 @@ class Launch:
 
     def stdout(self, rank: int | None = None) -> str:
         """What the processes (or one rank) wrote to stdout, rank by rank."""
-        return "".join(f.read_text(errors="replace") for f in self.out[slice(rank, None if rank is None else rank + 1)])
+        return _read(self.out, rank)
 
     def stderr(self, rank: int | None = None) -> str:
-        return "".join(f.read_text(errors="replace") for f in self.err[slice(rank, None if rank is None else rank + 1)])
+        return _read(self.err, rank)
 
     def output(self, rank: int | None = None) -> str:
         return self.stdout(rank) + (self.stderr(rank) if self.err is not self.out else "")
@@ -260,6 +263,10 @@ class Launch:
                     raise subprocess.TimeoutExpired(["launch"], timeout, self.output())
                 if not read:
                     time.sleep(0.02)
+
+
+def _read(files: list[Path], rank: int | None) -> str:
+    return "".join(f.read_text(errors="replace") for f in (files if rank is None else files[rank:rank + 1]))
 
 
 def run(argv: Sequence[str], nproc: int | None = None, *, timeout: float = 600, **kwargs) -> \

@@ -360,8 +360,9 @@ def test_chaos_kill_9_then_bitwise_equal(tmp_path, tiny_run_assets):
     with torch, transformers and leansft imported (tests/launcher.py): a start-up kill lands in leansft's own start
     (its lock, data, model, pre-flight check: ~0.3 s here, the first checkpoint after it), not in imports. A mid-run
     kill waits until this process has saved two new checkpoints (it is training; the time between them is one step
-    and its checkpoint), then comes at a random point of the next such cycle; the export kill comes as soon as the last checkpoint is in place. Each phase's kills are counted, so the
-    test cannot quietly turn into a start-up test again.
+    and its checkpoint), then comes at a random point of the next such cycle; the export kill comes as soon as the
+    last checkpoint is in place. Each phase's kills are counted, so the test cannot quietly turn into a start-up
+    test again.
     """
     import random
     import time
