@@ -6,6 +6,7 @@ import logging
 import shutil
 from pathlib import Path
 
+import launcher
 import pytest
 import torch
 import transformers as tf
@@ -347,7 +348,6 @@ print(loading.gguf_to_hf(Path(sys.argv[1]), Path(sys.argv[2])), len(made))
 def test_a_gguf_two_processes_need_is_converted_once(tmp_path, tiny_bpe_path):
     """Two runs (or jobs) started together on one GGUF and one cache: the second waits for the first's conversion
     and uses its folder (before, both converted it, twice the time and memory)."""
-    import launcher
 
     tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
     gguf = gguf_of(tf.AutoModelForCausalLM.from_config(CONFIGS["llama"](len(tok))), tok, tmp_path / "m.gguf")

@@ -8,6 +8,7 @@ import json
 import logging
 from pathlib import Path
 
+import launcher
 import numpy as np
 import psutil
 import pytest
@@ -119,7 +120,6 @@ def test_a_streaming_run_killed_and_resumed_trains_the_uninterrupted_losses(tmp_
     import os
     import time
 
-    import launcher
     import yaml
 
     other = tmp_path / "other.jsonl"

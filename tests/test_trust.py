@@ -209,13 +209,12 @@ def test_a_run_deletes_only_what_leansft_wrote_in_its_folders(tmp_path, trained,
 def test_two_runs_started_together_on_one_fresh_folder_train_once(tmp_path, tiny_run_assets):
     cfg = config_file(tmp_path, tiny_run_assets, "training.max_steps=2")
     procs = [launcher.Launch(["-m", "leansft", "train", cfg]) for _ in range(2)]  # forked (tests/launcher.py)
+    said = {}
     for p in procs:
         with p:
-            p.wait(timeout=300)
-            p.said = p.stderr()
-    codes = sorted(p.returncode for p in procs)
-    assert codes == [0, 2], [p.said for p in procs]
-    loser = next(p.said for p in procs if p.returncode == 2)
+            said[p.wait(timeout=300)] = p.stderr()
+    assert sorted(said) == [0, 2], said
+    loser = said[2]
     assert "in use by another leansft run" in loser and "Traceback" not in loser
 
 

@@ -26,6 +26,9 @@ def cache_dir(configured: str | None) -> Path:
     return Path(configured) if configured else default_cache_dir()
 
 
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # a file system without working locks
+
+
 @contextlib.contextmanager
 def made_once(lock: Path, what: str) -> Iterator[None]:
     """Hold an OS lock on ``lock`` (a file beside what the block makes in a cache folder) for the block: a second
@@ -41,7 +44,7 @@ def made_once(lock: Path, what: str) -> Iterator[None]:
             if err.errno in (errno.EACCES, errno.EAGAIN):
                 logging.getLogger("leansft").info("waiting for another process making %s", what)
                 fcntl.lockf(fd, fcntl.LOCK_EX)
-            elif err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            elif err.errno not in NO_LOCKS:
                 raise
         yield
     finally:

@@ -21,9 +21,10 @@ import socket
 import time
 from pathlib import Path
 
+from leansft.core.paths import NO_LOCKS
+
 log = logging.getLogger("leansft")
 LOCK = ".leansft-run.lock"
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _HELD: dict[Path, int] = {}  # folders this process holds (POSIX locks never conflict within one process)
 
 
@@ -41,7 +42,7 @@ def acquire(folder: Path) -> str | None:
         os.close(fd)
         if err.errno in (errno.EACCES, errno.EAGAIN):
             return holder(folder)
-        if err.errno in _NO_LOCKS:
+        if err.errno in NO_LOCKS:
             log.warning("output_dir %s is on a file system without working locks (%s): nothing keeps a second run "
                         "off this folder while this one runs", folder, os.strerror(err.errno))
             return None
