@@ -436,3 +436,49 @@ def test_a_shared_opening_tokenised_once_gives_the_whole_texts_tokens(request, l
             assert ids_a.tolist() == ids_b.tolist() and labels_a.tolist() == labels_b.tolist()
     assert bool(cached._prefixes._known) is cut
     assert _independent(tok.backend_tokenizer, _splitters(tok)) is (fixture != "mistral_path")
+
+
+def _full_copy(backend):
+    from tokenizers import Tokenizer
+
+    full = Tokenizer.from_str(backend.to_str())
+    full.no_truncation()
+    full.no_padding()
+    return full.to_str()
+
+
+@pytest.mark.parametrize("fixture", ["qwen25_path", "mistral_path", "gemma3_path"])
+def test_a_backend_copy_is_the_full_copy_and_leaves_the_original_alone(request, load_tok, fixture):
+    """``backend_copy`` (escape's plain-text backend, the encoder's backend without truncation and padding) shares
+    the vocabulary instead of parsing it again, and is what ``Tokenizer.from_str(to_str())`` gives, to the byte;
+    tokens added to it and its special-token matching stay its own."""
+    from tokenizers import AddedToken
+
+    from leansft.core.data.tokenizer import backend_copy
+
+    backend = load_tok(request.getfixturevalue(fixture)).backend_tokenizer
+    original = backend.to_str()
+    copy = backend_copy(backend)
+    assert copy.to_str() == _full_copy(backend)
+    copy.add_special_tokens([AddedToken("<mine>", special=True)])
+    copy.encode_special_tokens = True
+    assert backend.to_str() == original and backend.token_to_id("<mine>") is None
+
+
+def test_a_backend_copy_drops_truncation_and_padding_and_is_made_whole_where_it_would_read_otherwise(
+        load_tok, tiny_bpe_path, monkeypatch):
+    from tokenizers import Tokenizer
+
+    from leansft.core.data import tokenizer as tokenizer_module
+    from leansft.core.data.tokenizer import backend_copy
+
+    backend = load_tok(tiny_bpe_path).backend_tokenizer
+    padded = Tokenizer.from_str(backend.to_str())
+    padded.enable_padding(length=64, pad_id=0)
+    padded.enable_truncation(max_length=32)
+    copy = backend_copy(padded)
+    assert copy.truncation is None and copy.padding is None and copy.to_str() == _full_copy(padded)
+    bare = Tokenizer(backend.model)  # the vocabulary without its added tokens or normaliser: found to read otherwise
+    assert not tokenizer_module._reads_alike(backend, bare, backend.get_added_tokens_decoder())
+    monkeypatch.setattr(tokenizer_module, "_reads_alike", lambda *a: False)
+    assert backend_copy(padded).to_str() == _full_copy(padded)

@@ -28,6 +28,7 @@ from collections import Counter
 import numpy as np
 
 from leansft.core.config import SpecialInContent
+from leansft.core.data.tokenizer import backend_copy
 from leansft.core.errors import TemplateError
 
 MARK, DIGIT0, PAD = "\ufdd0", 0xFDD1, "\ufdef"  # placeholder: MARK, digits (U+FDD1..U+FDEE), PAD to the length
@@ -140,9 +141,9 @@ class ContentTokens:
     def plain(self):
         """The backend matching none of the guarded tokens: each marked special, special tokens not matched."""
         if self._plain is None:
-            from tokenizers import AddedToken, Tokenizer
+            from tokenizers import AddedToken
 
-            self._plain = Tokenizer.from_str(self._backend.to_str())
+            self._plain = backend_copy(self._backend)
             self._plain.add_special_tokens([
                 AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
                            normalized=t.normalized, special=True)

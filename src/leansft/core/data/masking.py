@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import get_args
 
 import numpy as np
-from tokenizers import Tokenizer
 
 # transformers' own rendering steps, called directly: apply_chat_template copies the whole conversation on
 # every call, which made rendering each turn's prefix quadratic in the number of turns
@@ -51,6 +50,7 @@ from leansft.core.data.formats import Conversation
 from leansft.core.data.shared_prefix import SharedPrefixes
 from leansft.core.data.stops import StopTokens, find_stops
 from leansft.core.data.template_render import fast_template
+from leansft.core.data.tokenizer import backend_copy
 from leansft.core.data.token_offsets import CHECKED, TokenLengths, as_pairs
 from leansft.core.errors import LeanSFTError, TemplateError
 
@@ -320,9 +320,7 @@ class ChatEncoder:
         # tokenizer(text, add_special_tokens=False) runs, minus the Python-side conversion of its output.
         self._backend = tokenizer.backend_tokenizer
         if self._backend.truncation is not None or self._backend.padding is not None:  # a copy without them
-            self._backend = Tokenizer.from_str(self._backend.to_str())
-            self._backend.no_truncation()
-            self._backend.no_padding()
+            self._backend = backend_copy(self._backend)
         special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.stops: StopTokens = find_stops(tokenizer, lambda chat: self._jinja(chat, None, False), special)
         # whether the template writes a generation prompt at all; a template with
