@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -193,17 +194,23 @@ SETUPS = {"fair": setup_fair, "qwen-vocab": setup, "smollm2": setup_smollm2,
           "tiny": lambda n: setup_gpu_shape(n, "tiny")}
 
 
+@functools.lru_cache(maxsize=2)
+def _heldout_examples(model_dir: str):
+    """The held-out chats prepared as leansft trains them, once per process (the miniature runs every side in one)."""
+    from leansft.core.config import DataConfig
+    from leansft.core.data.prepare import prepare_data
+
+    return prepare_data(DataConfig(sources=[str(WORK / "heldout.jsonl")], max_length=4096,
+                                   cache_dir=str(WORK / "cache")), model_dir, holdout=False).train
+
+
 def heldout_loss(model, model_dir: str, device: str = "cpu", limit: int | None = None) -> float:
     """Mean loss per answer token on the held-out chats (the first ``limit``), by the plain Hugging Face forward
     (the model's own loss, fp32), with the same labels for both sides: leansft's mask of the template (answer tokens
     up to the stop)."""
     import torch
 
-    from leansft.core.config import DataConfig
-    from leansft.core.data.prepare import prepare_data
-
-    data = prepare_data(DataConfig(sources=[str(WORK / "heldout.jsonl")], max_length=4096,
-                                   cache_dir=str(WORK / "cache")), model_dir, holdout=False).train
+    data = _heldout_examples(model_dir)
     total = count = 0.0
     model.float().to(device).eval()
     with torch.no_grad():

@@ -29,7 +29,7 @@ export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENI
 export LEANSFT_RESULTS=${LEANSFT_RESULTS:-${OUT:-runs}/results.jsonl}
 mkdir -p "$(dirname "$LEANSFT_RESULTS")"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
-$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+$PY -c "from importlib.metadata import version as v; print('torch', v('torch'), 'transformers', v('transformers'))"
 start=$(date +%s)
 summary=""
 failed=0
