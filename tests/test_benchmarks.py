@@ -43,6 +43,27 @@ def test_the_gpu_check_runs_in_miniature_on_the_cpu(tmp_path):
     assert all(r["real_tokens_per_s"] > 0 and isinstance(r["config"], dict) and r["peak_gb"] for r in trl.values())
 
 
+@pytest.mark.parametrize("name", ["qwen-2.5", "deepseek-r1-distill-llama-8b"])
+def test_the_gpu_shapes_tokenizers_train_their_chats(tmp_path, name):
+    """The GPU shapes' tokenizers (the miniature trains over a small one of its own): each loads from where the check
+    takes it, with its template (TRL's marked Qwen2.5 one, leansft's Llama 3), and a synthetic chat of the check
+    trains its answer up to the stop token."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_shapes
+
+    from leansft.core.data.formats import Conversation
+    from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, resolve_template
+    from leansft.core.data.tokenizer import load_tokenizer
+
+    assert {shape[6] for shape in gpu_shapes.SHAPES.values()} == {"words-bpe", "qwen-2.5", "deepseek-r1-distill-llama-8b"}
+    tok = load_tokenizer(str(gpu_shapes.tokenizer_dir(name, tmp_path)))
+    assert len(tok) > 128_000 and ("{% generation %}" in tok.chat_template) == (name == "qwen-2.5")
+    chat = json.loads(gpu_shapes.write_chats(tmp_path / "chats.jsonl", 1).read_text())
+    ((ids, labels),), = ChatEncoder(tok, resolve_template(tok, None)).encode([Conversation(chat["messages"], row=1)])
+    stop = "<|im_end|>" if name == "qwen-2.5" else "<|eot_id|>"
+    assert tok.decode(ids[labels != IGNORE_INDEX]) == chat["messages"][1]["content"] + stop
+
+
 def test_a_benchmark_empties_only_a_work_folder_it_made(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import workdir
