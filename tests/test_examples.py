@@ -14,7 +14,7 @@ from leansft.recipe.train import train
 
 # every config, not the dataset registry beside them (examples/datasets.yaml, which their sources may name)
 EXAMPLES = sorted(p for p in (Path(__file__).parents[1] / "examples").glob("*.yaml") if p.name != "datasets.yaml")
-SMALL = ["training.max_steps=1", "data.max_length=256", "batching.tokens_per_micro_batch=256",
+SMALL = ["training.max_steps=1", "data.max_length=128", "batching.tokens_per_micro_batch=128",
          "batching.gradient_accumulation=1", "eval.eval_every=null", "eval.samples_every=null",
          "checkpoint.export=false", "training.gradient_checkpointing=false", "eval.suites=[]", "training.precision=auto"]
 

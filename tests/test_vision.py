@@ -7,6 +7,7 @@ own tokenizer and template from a registry package) and its generated pictures s
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import shutil
@@ -66,7 +67,10 @@ def arch(request, demo, tmp_path_factory) -> Path:
     return folder
 
 
+@functools.cache
 def load(folder: Path):
+    """The folder's tokenizer and model, loaded once for this file's tests (a Gemma 3 or Qwen2-VL tokenizer takes 1-2
+    s of CPU to load): shared, so a test changes neither (the gradient test trains deep copies)."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder), AutoModelForImageTextToText.from_pretrained(folder,
