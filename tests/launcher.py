@@ -19,15 +19,18 @@ itself is reaped at the session's end (``stop``), so ``time make test`` counts t
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -61,8 +64,26 @@ def stop() -> None:
         server._stop()
 
 
-def _entry(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, cpu: str) -> None:
-    """In the forked process: become ``python ARGV`` in ``cwd`` with ``env``, output to ``out``/``err``."""
+class _Fd:
+    """A file descriptor of this process, duplicated into the forked one (multiprocessing's ``DupFd``): an int there."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _entry(argv: list[str], env: dict[str, str], cwd: str, out: str | int, err: str | int, cpu: str,
+           stdin: int | None = None) -> None:
+    """In the forked process: become ``python ARGV`` in ``cwd`` with ``env``, output to ``out``/``err`` (files, or
+    descriptors handed over, as ``stdin``)."""
     import atexit
     import runpy
     import traceback
@@ -70,12 +91,16 @@ def _entry(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, c
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    for fd, path in ((1, out), (2, err)):
-        opened = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for fd, target in ((0, stdin), (1, out), (2, err)):
+        if target is None:
+            continue
+        opened = target if isinstance(target, int) else os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own, to its end)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if stdin is not None:  # (multiprocessing gave the process /dev/null)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
     if "OMP_NUM_THREADS" in env:
         import torch
 
@@ -90,10 +115,17 @@ def _entry(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, c
 
     os._exit = leave  # this forked process's own
     code = 0
+    # sys.path as the interpreter starts it: the script's folder (or the working folder), then PYTHONPATH's
+    extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = os.path.dirname(os.path.abspath(argv[0])) if argv[0] not in ("-m", "-c") else ""
+    sys.path[:0] = [first, *extra]
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
         else:
             sys.argv = list(argv)
             runpy.run_path(argv[0], run_name="__main__")
@@ -267,6 +299,79 @@ class Launch:
 
 def _read(files: list[Path], rank: int | None) -> str:
     return "".join(f.read_text(errors="replace") for f in (files if rank is None else files[rank:rank + 1]))
+
+
+SHIM = Path(__file__).with_name("pyshim.py")
+
+
+@contextlib.contextmanager
+def python_shim() -> Iterator[dict[str, str]]:
+    """While inside: ``PYTHON`` (and ``LEANSFT_TEST_PYSHIM``) for a script that starts ``$PYTHON ARGS...`` (many
+    times: the GPU check's miniature), each such process forked from the fork server (tests/pyshim.py) with the
+    standard streams, folder and environment it was given; its exit code the shim's, its CPU counted here."""
+    folder = Path(tempfile.mkdtemp(prefix="launch-"))
+    path = str(folder / "python.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen()
+    served: list[threading.Thread] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the shim's time is over
+                return
+            served.append(threading.Thread(target=_serve, args=(conn, folder), daemon=True))
+            served[-1].start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        yield {"LEANSFT_TEST_PYSHIM": path, "PYTHON": f"{sys.executable} {SHIM}"}
+    finally:
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        acceptor.join(10)
+        for thread in served:
+            thread.join(GRACE_S + 30)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _serve(conn: socket.socket, folder: Path) -> None:
+    """One shim's process: started with its streams, waited for, ended (SIGTERM, SIGKILL ``GRACE_S`` later) if the
+    shim ends first (killed: ``timeout``), its exit code sent back."""
+    with conn:
+        head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+        size, request = int.from_bytes(head, "big"), b""
+        while len(request) < size and (chunk := conn.recv(size - len(request))):
+            request += chunk
+        if len(head) != 8 or len(fds) != 3 or len(request) != size:
+            for fd in fds:
+                os.close(fd)
+            return
+        req = json.loads(request)
+        cpu = folder / f"cpu-{uuid.uuid4().hex}"
+        proc = context().Process(target=_entry, args=(req["argv"], req["env"], req["cwd"], _Fd(fds[1]), _Fd(fds[2]),
+                                                      str(cpu), _Fd(fds[0])))
+        try:
+            proc.start()
+        finally:
+            for fd in fds:
+                os.close(fd)
+        while proc.exitcode is None:
+            if conn in multiprocessing.connection.wait([proc.sentinel, conn]) and proc.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+                proc.join(GRACE_S)
+                if proc.exitcode is None:
+                    proc.kill()
+            proc.join(0.1)
+        with contextlib.suppress(OSError, ValueError):
+            _SPENT[0] += float(cpu.read_text())
+        with contextlib.suppress(OSError):
+            conn.sendall(str(proc.exitcode).encode())
 
 
 def run(argv: Sequence[str], nproc: int | None = None, *, timeout: float = 600, **kwargs) -> \

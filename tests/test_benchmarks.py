@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launcher
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,10 +21,11 @@ def test_the_gpu_check_runs_in_miniature_on_the_cpu(tmp_path):
     """Every part of benchmarks/gpu_check.sh runs (GPU_CHECK_MINI=1: tiny shapes, a step or two) and appends its
     measurements to results.jsonl with the fields the issue's readers use; the script ends 0."""
     results = tmp_path / "results.jsonl"
-    env = {**os.environ, "GPU_CHECK_MINI": "1", "PYTHON": sys.executable, "LEANSFT_RESULTS": str(results),
-           "LEANSFT_BENCH_WORK": str(tmp_path / "work"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
-                          env=env, timeout=600, check=False)
+    with launcher.python_shim() as python:  # its six Python processes forked, not started (tests/pyshim.py)
+        env = {**os.environ, "GPU_CHECK_MINI": "1", **python, "LEANSFT_RESULTS": str(results),
+               "LEANSFT_BENCH_WORK": str(tmp_path / "work"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
+                              env=env, timeout=600, check=False)
     tail = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
     assert all(f"{p}=rc0" in proc.stdout for p in PARTS), tail

@@ -66,3 +66,48 @@ def test_ranks_meet_through_the_store_and_a_failed_rank_ends_the_launch(tmp_path
         assert sorted(ranks.stdout().splitlines()) == ["rank 0 of 2: 3", "rank 1 of 2: 3"]
         assert [p.exitcode for p in ranks.procs] == [-15, 3]  # rank 0 ended by SIGTERM
     assert not ranks.folder.exists()  # its output files went with it
+
+
+SCRIPT = """
+import os, sys
+print(sys.argv[1:], os.getcwd(), os.environ["PICKED"], sys.stdin.read().strip(), sys.path[0] == os.getcwd())
+print("to stderr", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def test_the_python_shim_runs_a_script_as_python_would_and_ends_with_it(tmp_path):
+    """``$PYTHON ARGS`` through tests/pyshim.py: the script's arguments, folder, environment and standard streams,
+    its exit code, in a process forked with torch imported; the shim ended (as ``timeout`` ends it), the forked
+    process ends too; with no shim served, a plain interpreter."""
+    (tmp_path / "s.py").write_text(SCRIPT)
+    plain = subprocess.run([sys.executable, str(launcher.SHIM), "-c", "import sys; print('torch' in sys.modules)"],
+                           capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "LEANSFT_TEST_PYSHIM"})
+    assert plain.stdout.strip() == "False"
+    with launcher.python_shim() as python:
+        env, shim = {**os.environ, **python, "PICKED": "yes"}, python["PYTHON"].split()
+        r = subprocess.run([*shim, "s.py", "a", "b c"], input="from stdin", capture_output=True, text=True,
+                           cwd=tmp_path, env=env, timeout=60)
+        assert (r.returncode, r.stderr) == (3, "to stderr\n")
+        assert r.stdout == f"['a', 'b c'] {tmp_path} yes from stdin True\n"
+        r = subprocess.run([*shim, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True, text=True,
+                           env=env, timeout=60)
+        assert (r.returncode, r.stdout) == (0, "True\n")
+        slow = subprocess.Popen([*shim, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        pid = int(slow.stdout.readline())
+        slow.terminate()
+        assert slow.wait(timeout=30) != 0
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
-import threading
 import time
 
+import launcher
 import pytest
 import yaml
 from helpers import run_config
@@ -47,18 +45,12 @@ def test_a_run_logged_to_a_file_says_what_it_is_doing_as_it_starts_each_phase(tm
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "leansft", "train", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
     seen: list[tuple[float, str]] = []
     t0 = time.monotonic()
-    watchdog = threading.Timer(300, proc.kill)  # a hung run fails the test instead of hanging it
-    watchdog.start()
-    try:
-        for line in proc.stdout:
+    with launcher.Launch(["-m", "leansft", "train", str(path)], env=env, stderr_to_stdout=True) as run:
+        for line in run.lines(timeout=300):  # a hung run fails the test instead of hanging it
             seen.append((time.monotonic() - t0, line.strip()))
-    finally:
-        watchdog.cancel()
-    assert proc.wait(timeout=300) == 0, "\n".join(s for _, s in seen)[-3000:]
+        assert run.wait(timeout=300) == 0, "\n".join(s for _, s in seen)[-3000:]
     text = "\n".join(s for _, s in seen)
     order = ["loading ", "checking the run's forward and loss against the plain model", "step 0: held-out eval",
              "step 0: sampling 1 answer", "saved checkpoint", "exporting"]

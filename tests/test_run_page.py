@@ -8,13 +8,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from urllib.request import urlopen
 
+import launcher
 import pytest
 import yaml
 from helpers import run_config
@@ -121,55 +120,51 @@ def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "leansft", "train", str(config), "--serve", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    errors: list[str] = []
-    crafted = crafted_run(tmp_path / "crafted")
-    page_server = run_page.start([crafted], port=0)
-    watchdog = threading.Timer(240, proc.kill)  # a run that stalls silently ends, and the test fails on what it said
-    watchdog.start()
-    try:
-        url, said = None, []
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "".join(said)[-3000:]
-            said.append(line)
-            found = re.search(r"the run page: (http://\S+)", line)
-            url = found and found.group(1)
-        assert url, "".join(said)[-3000:]
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-            page = browser.new_page()
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(url + "?refresh=0.3")
-            points = lambda: int(page.get_attribute("#chart-loss", "data-points") or 0)  # noqa: E731
-            page.wait_for_selector("#chart-loss[data-points]", timeout=90_000)
-            first = until(points, lambda n: n > 0)
-            until(points, lambda n: n > first)  # a later look: more points
-            page.wait_for_selector("#samples td", timeout=60_000)
-            assert "step" in page.text_content("#status")
-            state = json.loads(urlopen(url + "api/run/run", timeout=10).read())
-            assert state["progress"]["total_steps"] == 5000 and state["progress"]["world_size"] == 1
-            lengths = state["data_report"]["length_histogram"]  # the training examples' lengths, drawn as bars
-            assert lengths["edges"][-1] == 192 and sum(lengths["counts"]) > 0
-            assert page.get_attribute("#chart-lengths", "data-points") == str(len(lengths["counts"]))
-            proc.kill()  # seen enough: the run need not finish
-            for where in (run_page.url(page_server), None):  # the crafted run, live then from report.html
-                if where is None:
-                    write_report(crafted, quiet=True)
-                    where = (crafted / "report.html").as_uri()
-                page.goto(where)
-                page.wait_for_selector("#samples td")
-                assert SCRIPT in page.text_content("#samples")  # its markup is text
-                assert SCRIPT in page.text_content("#suites") and "+0.500" in page.text_content("#suites")
-                assert page.evaluate("window.__pwned") is None
-            browser.close()
-    finally:
-        watchdog.cancel()
-        page_server.shutdown()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    with launcher.Launch(["-m", "leansft", "train", str(config), "--serve", "--port", "0"], env=env,
+                         stderr_to_stdout=True) as proc:  # leaving it kills the run if it still runs
+        errors: list[str] = []
+        crafted = crafted_run(tmp_path / "crafted")
+        page_server = run_page.start([crafted], port=0)
+        watchdog = threading.Timer(240, proc.kill)  # a run that stalls silently ends; the test fails on what it said
+        watchdog.start()
+        try:
+            url, said = None, []
+            for line in proc.lines(timeout=120):
+                said.append(line)
+                found = re.search(r"the run page: (http://\S+)", line)
+                url = found and found.group(1)
+                if url:
+                    break
+            assert url, "".join(said)[-3000:]
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+                page = browser.new_page()
+                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.goto(url + "?refresh=0.3")
+                points = lambda: int(page.get_attribute("#chart-loss", "data-points") or 0)  # noqa: E731
+                page.wait_for_selector("#chart-loss[data-points]", timeout=90_000)
+                first = until(points, lambda n: n > 0)
+                until(points, lambda n: n > first)  # a later look: more points
+                page.wait_for_selector("#samples td", timeout=60_000)
+                assert "step" in page.text_content("#status")
+                state = json.loads(urlopen(url + "api/run/run", timeout=10).read())
+                assert state["progress"]["total_steps"] == 5000 and state["progress"]["world_size"] == 1
+                lengths = state["data_report"]["length_histogram"]  # the training examples' lengths, drawn as bars
+                assert lengths["edges"][-1] == 192 and sum(lengths["counts"]) > 0
+                assert page.get_attribute("#chart-lengths", "data-points") == str(len(lengths["counts"]))
+                proc.kill()  # seen enough: the run need not finish
+                for where in (run_page.url(page_server), None):  # the crafted run, live then from report.html
+                    if where is None:
+                        write_report(crafted, quiet=True)
+                        where = (crafted / "report.html").as_uri()
+                    page.goto(where)
+                    page.wait_for_selector("#samples td")
+                    assert SCRIPT in page.text_content("#samples")  # its markup is text
+                    assert SCRIPT in page.text_content("#suites") and "+0.500" in page.text_content("#suites")
+                    assert page.evaluate("window.__pwned") is None
+                browser.close()
+        finally:
+            watchdog.cancel()
+            page_server.shutdown()
     assert not errors, errors
