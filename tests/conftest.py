@@ -183,7 +183,9 @@ def _gguf_files_read_once():
     read once per test session. Keyed by the file itself (device, inode, size, modification time), so a file
     written again is read again; what transformers reads back is unchanged. The reader parses a plain array over
     the file's mapping rather than numpy's memmap subclass, whose per-slice bookkeeping was most of the parse
-    (2.9 -> 1.3 s of CPU for SmolLM2's 49k tokens; the same fields, element for element)."""
+    (2.9 -> 1.3 s of CPU for SmolLM2's 49k tokens; the same fields, element for element). transformers also builds
+    gguf-py's tensor-name map of the architecture once for every module of the model it loads (~400 for SmolLM2,
+    4 s of its 12 s conversion): here once per architecture and depth (a map is only read)."""
     import functools
 
     import numpy as np
@@ -214,6 +216,7 @@ def _gguf_files_read_once():
         st = os.stat(path)
         return read(os.path.realpath(path), mode, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
-    gguf.GGUFReader = reader
+    name_map = gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=16)(name_map)
     yield
-    gguf.GGUFReader = plain
+    gguf.GGUFReader, gguf.get_tensor_name_map = plain, name_map
