@@ -15,8 +15,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import launcher  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
-import transformers as tf  # noqa: E402
 from helpers import (  # noqa: E402
     ALPACA,
     build_tiny_bpe,
@@ -26,12 +24,15 @@ from helpers import (  # noqa: E402
     write_jsonl,
 )
 
-from leansft.core.data.tokenizer import load_tokenizer  # noqa: E402
+# torch, transformers and leansft are imported where a fixture needs them: xdist's controller process loads this
+# file too, and runs no test (2 s of CPU it spent importing them).
 
 # `make test` runs two xdist workers on a 2-core machine: one OpenMP thread each (and in the runs they start),
 # or four threads, spinning while they wait, share two cores.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
@@ -95,6 +96,8 @@ def sentencepiece_paths(assets) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def load_tok():
+    from leansft.core.data.tokenizer import load_tokenizer
+
     cache: dict[str, object] = {}
 
     def load(path: str):
@@ -108,6 +111,9 @@ def load_tok():
 @pytest.fixture(scope="session")
 def tiny_run_assets(assets, tiny_bpe_path):
     """A tiny Llama saved with the tiny BPE tokenizer, and 96 real alpaca rows as jsonl."""
+    import torch
+    import transformers as tf
+
     folder = assets / "tiny_llama"
     if not (folder / "config.json").exists():
         tok = tf.AutoTokenizer.from_pretrained(tiny_bpe_path)
