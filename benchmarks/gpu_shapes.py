@@ -11,7 +11,7 @@ Shapes (random weights, as the published configs lay them out):
 - ``tiny`` / ``tiny-lora``: the CPU miniature (2 x 64) the test suite runs the check with, in full fine-tuning and
   LoRA, over a byte-level BPE trained here on the chats' words with Qwen2.5's control tokens and TRL's marked Qwen2.5
   template: the code paths of the GPU shapes without the 151k vocabulary's cost (loading it, TRL's datasets
-  fingerprint pickling it, its logits), a third of the miniature's CPU. tests/test_benchmarks.py reads the GPU
+  fingerprint pickling it, its logits: 46 s of the miniature's CPU were 20 s). tests/test_benchmarks.py reads the GPU
   shapes' own tokenizers apart.
 
 Data: synthetic two-turn chats whose answers have lognormal lengths (median ~450 tokens, cut at ``max_length``),

@@ -6,7 +6,8 @@ torchrun launch of two ranks three times that with torchrun's own start; most of
 went there. Here a fork server (``multiprocessing``'s, one per pytest worker) imports them once and every process
 the tests start is forked from it, then runs the same entry point as ``python -m`` would (``runpy``), its exit code
 and output its own. What torchrun itself does (restarts, its rendezvous across machines, its report of a failed
-worker) is tested through torchrun (tests/test_distributed.py, tests/test_recovery.py).
+worker) is tested through torchrun (tests/test_distributed.py, tests/test_recovery.py). A script that starts
+``$PYTHON ...`` itself (benchmarks/gpu_check.sh) gets those processes forked too, under ``python_shim()``.
 
 The fork server's environment is the pytest worker's when it started: what Python or a library reads at import
 (``PYTHONUNBUFFERED``, HF_HUB_OFFLINE, the OpenMP thread count) is that, and the rest of ``env`` is set before the
