@@ -209,13 +209,14 @@ def test_a_run_deletes_only_what_leansft_wrote_in_its_folders(tmp_path, trained,
 def test_two_runs_started_together_on_one_fresh_folder_train_once(tmp_path, tiny_run_assets):
     cfg = config_file(tmp_path, tiny_run_assets, "training.max_steps=2")
     procs = [launcher.Launch(["-m", "leansft", "train", cfg]) for _ in range(2)]  # forked (tests/launcher.py)
-    said = {}
+    said, printed = {}, {}  # by exit code: stderr, and stdout (where a loser that says nothing on stderr went)
     for p in procs:
         with p:
-            said[p.wait(timeout=300)] = p.stderr()
+            code = p.wait(timeout=300)
+            said[code], printed[code] = p.stderr(), p.stdout()
     assert sorted(said) == [0, 2], said
     loser = said[2]
-    assert "in use by another leansft run" in loser and "Traceback" not in loser
+    assert "in use by another leansft run" in loser and "Traceback" not in loser, (loser, printed[2][-3000:])
 
 
 def test_a_folder_without_working_locks_is_said(tmp_path, monkeypatch, caplog):
