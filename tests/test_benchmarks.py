@@ -57,7 +57,8 @@ def test_the_gpu_shapes_tokenizers_train_their_chats(tmp_path, name):
     from leansft.core.data.masking import IGNORE_INDEX, ChatEncoder, resolve_template
     from leansft.core.data.tokenizer import load_tokenizer
 
-    assert {shape[6] for shape in gpu_shapes.SHAPES.values()} == {"words-bpe", "qwen-2.5", "deepseek-r1-distill-llama-8b"}
+    tokenizers = {shape[6] for shape in gpu_shapes.SHAPES.values()}
+    assert tokenizers == {"words-bpe", "qwen-2.5", "deepseek-r1-distill-llama-8b"}  # the miniature's, the GPU's
     tok = load_tokenizer(str(gpu_shapes.tokenizer_dir(name, tmp_path)))
     assert len(tok) > 128_000 and ("{% generation %}" in tok.chat_template) == (name == "qwen-2.5")
     chat = json.loads(gpu_shapes.write_chats(tmp_path / "chats.jsonl", 1).read_text())
