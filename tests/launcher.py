@@ -260,8 +260,7 @@ class Launch:
 
     def _done(self) -> None:
         for f in self.cpu:
-            with contextlib.suppress(OSError, ValueError):
-                _SPENT[0] += float(f.read_text())
+            _count(f)
         self.store = None
 
     def stdout(self, rank: int | None = None) -> str:
@@ -296,6 +295,12 @@ class Launch:
                     raise subprocess.TimeoutExpired(["launch"], timeout, self.output())
                 if not read:
                     time.sleep(0.02)
+
+
+def _count(cpu: Path) -> None:
+    """Add the CPU a forked process wrote as it ended (none where it was killed first) to ``spent``."""
+    with contextlib.suppress(OSError, ValueError):
+        _SPENT[0] += float(cpu.read_text())
 
 
 def _read(files: list[Path], rank: int | None) -> str:
@@ -369,8 +374,7 @@ def _serve(conn: socket.socket, folder: Path) -> None:
                 if proc.exitcode is None:
                     proc.kill()
             proc.join(0.1)
-        with contextlib.suppress(OSError, ValueError):
-            _SPENT[0] += float(cpu.read_text())
+        _count(cpu)
         with contextlib.suppress(OSError):
             conn.sendall(str(proc.exitcode).encode())
 

@@ -482,3 +482,12 @@ def test_a_backend_copy_drops_truncation_and_padding_and_is_made_whole_where_it_
     assert not tokenizer_module._reads_alike(backend, bare, backend.get_added_tokens_decoder())
     monkeypatch.setattr(tokenizer_module, "_reads_alike", lambda *a: False)
     assert backend_copy(padded).to_str() == _full_copy(padded)
+
+
+def test_encoders_of_one_template_share_its_compiled_form(load_tok, qwen25_path):
+    """The template is compiled once for every encoder of it (``fast_template``'s cache) and renders as before."""
+    tok = load_tok(qwen25_path)
+    first, second = (ChatEncoder(tok, resolve_template(tok, None)) for _ in range(2))
+    assert first._fast is second._fast
+    ((ids, _),), = second.encode([Conversation(messages=CHAT[1:3], row=1)])
+    assert ids.tolist() == tok.apply_chat_template(CHAT[1:3], tokenize=True, return_dict=False)

@@ -8,6 +8,7 @@ nothing outside what leansft wrote deleted or changed, and a payload's marker fi
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import pickle
@@ -223,7 +224,7 @@ def test_a_folder_without_working_locks_is_said(tmp_path, monkeypatch, caplog):
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(run_lock.fcntl, "lockf", no_locks)
+    monkeypatch.setattr(fcntl, "lockf", no_locks)  # (taken through core/paths.try_lock)
     assert run_lock.acquire(tmp_path / "out") is None
     assert "without working locks" in caplog.text
 

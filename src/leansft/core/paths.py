@@ -29,6 +29,20 @@ def cache_dir(configured: str | None) -> Path:
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # a file system without working locks
 
 
+def try_lock(fd: int) -> bool | str:
+    """Take an exclusive OS lock on the open file ``fd`` without waiting: True taken, False held by another process,
+    the OS's reason (a string) where the file system has no working locks."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as err:
+        if err.errno in (errno.EACCES, errno.EAGAIN):
+            return False
+        if err.errno in NO_LOCKS:
+            return os.strerror(err.errno)
+        raise
+
+
 @contextlib.contextmanager
 def made_once(lock: Path, what: str) -> Iterator[None]:
     """Hold an OS lock on ``lock`` (a file beside what the block makes in a cache folder) for the block: a second
@@ -38,14 +52,9 @@ def made_once(lock: Path, what: str) -> Iterator[None]:
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno in (errno.EACCES, errno.EAGAIN):
-                logging.getLogger("leansft").info("waiting for another process making %s", what)
-                fcntl.lockf(fd, fcntl.LOCK_EX)
-            elif err.errno not in NO_LOCKS:
-                raise
+        if try_lock(fd) is False:
+            logging.getLogger("leansft").info("waiting for another process making %s", what)
+            fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # (the lock goes with it)

@@ -12,8 +12,6 @@ system that has no working locks is said in a warning, not silently raced.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
@@ -21,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from leansft.core.paths import NO_LOCKS
+from leansft.core.paths import try_lock
 
 log = logging.getLogger("leansft")
 LOCK = ".leansft-run.lock"
@@ -37,16 +35,17 @@ def acquire(folder: Path) -> str | None:
         return "this process (another run in it holds the folder)"
     fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
+        taken = try_lock(fd)
+    except OSError:
         os.close(fd)
-        if err.errno in (errno.EACCES, errno.EAGAIN):
-            return holder(folder)
-        if err.errno in NO_LOCKS:
-            log.warning("output_dir %s is on a file system without working locks (%s): nothing keeps a second run "
-                        "off this folder while this one runs", folder, os.strerror(err.errno))
-            return None
         raise
+    if taken is not True:
+        os.close(fd)
+        if taken is False:
+            return holder(folder)
+        log.warning("output_dir %s is on a file system without working locks (%s): nothing keeps a second run off "
+                    "this folder while this one runs", folder, taken)
+        return None
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
