@@ -14,7 +14,8 @@ import launcher
 
 ENV = """
 import json, os, sys
-print(json.dumps({k: os.environ[k] for k in os.environ if k not in sys.argv[1].split(",")}))
+with open(os.path.join(sys.argv[2], "env-" + os.environ["RANK"] + ".json"), "w") as f:  # a file a rank: torchrun's
+    json.dump({k: os.environ[k] for k in os.environ if k not in sys.argv[1].split(",")}, f)  # ranks share one pipe
 """
 
 # Set per launch (a port, an id, a file of the launch's own): their presence is compared, not their values.
@@ -27,12 +28,14 @@ def test_ranks_see_torchruns_environment(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     given = ",".join(env)
     torchrun = Path(sys.executable).with_name("torchrun")
-    real = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", str(script), given],
-                          capture_output=True, text=True, env=env, timeout=120, check=True)
-    forked = launcher.run([str(script), given], 2, env=env, timeout=120)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "forked").mkdir()
+    subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", str(script), given, str(tmp_path / "real")],
+                   capture_output=True, text=True, env=env, timeout=120, check=True)
+    forked = launcher.run([str(script), given, str(tmp_path / "forked")], 2, env=env, timeout=120)
     assert forked.returncode == 0, forked.stderr
-    want, got = ([json.loads(line) for line in sorted(out.splitlines()) if line.startswith("{")]
-                 for out in (real.stdout, forked.stdout))
+    want, got = ([json.loads(f.read_text()) for f in sorted((tmp_path / side).glob("env-*.json"))]
+                 for side in ("real", "forked"))
     want = sorted(({k: v for k, v in w.items() if k != "_"} for w in want), key=lambda e: e["RANK"])
     got = sorted(got, key=lambda e: e["RANK"])
     assert [set(e) for e in got] == [set(e) for e in want]
@@ -103,6 +106,8 @@ def test_the_python_shim_runs_a_script_as_python_would_and_ends_with_it(tmp_path
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(pid)
+        served = Path(python["LEANSFT_TEST_PYSHIM"]).parent
+    assert not served.exists() and tmp_path.joinpath("s.py").exists()  # its own folder removed, nothing else
 
 
 def _alive(pid: int) -> bool:
