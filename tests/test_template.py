@@ -384,6 +384,28 @@ def test_text_tokenised_without_offsets_gets_the_tokenizers_own_offsets(request,
         assert np.array_equal(_Tokens([(np.array(enc.ids), where)], [0]).offsets, want), text
 
 
+@pytest.mark.parametrize("fixture", ["qwen25_path", "gemma3_path"])
+def test_a_tokens_length_is_read_when_a_text_first_holds_it(request, load_tok, fixture):
+    """``TokenLengths`` reads a vocabulary token's length the first time a text holds it (not the whole vocabulary
+    up front), and each one read is what the whole vocabulary gives it: its bytes (byte-level BPE) or its text with
+    ``▁`` a space and a ``<0xNN>`` one byte (Gemma); an id past the vocabulary has no text."""
+    from leansft.core.data.token_offsets import _NO_TEXT, _UNSEEN, TokenLengths
+
+    backend = load_tok(request.getfixturevalue(fixture)).backend_tokenizer
+    lengths = TokenLengths(backend)
+    assert (lengths.lengths == _UNSEEN).mean() > 0.95  # the probes' tokens and the added ones only
+    text = "Ünïcödé 你好 🙂 — spaces   and\ttabs, <0x41> " + " ".join(f"word{i}" for i in range(300))
+    ids = np.array(backend.encode(text, add_special_tokens=False).ids)
+    assert lengths.offsets(ids, text) is not None
+    read = np.flatnonzero(lengths.lengths != _UNSEEN)
+    added = set(backend.get_added_tokens_decoder())
+    vocab = {i: t for t, i in backend.get_vocab(with_added_tokens=False).items()}
+    size = lengths._size if backend.model.byte_fallback else len
+    assert all(lengths.lengths[i] == (size(vocab[i]) or _NO_TEXT) for i in read if i not in added and i in vocab)
+    past = len(lengths.lengths) + 5
+    assert lengths._of(np.array([past]))[0] == _NO_TEXT and lengths.offsets(np.array([past]), "x") is None
+
+
 @pytest.mark.parametrize(("fixture", "template", "seams"), [("qwen25_path", None, True),
                                                            ("llama3_path", "llama3", False),  # Llama 3 trims
                                                            ("gemma3_path", None, False)])

@@ -405,24 +405,15 @@ def _reason(message: str) -> str:
 
 
 _PREPARED: dict[str, tuple] = {}
-_LENGTHS: dict[str, object] = {}
 
 
 def _prepared(name: str, template: str) -> tuple:
     """(tokenizer, leansft's encoder) for one template; the shared tokenizer set up for it again each call."""
     from leansft.core.data.masking import ChatEncoder, ChatTemplate
-    from leansft.core.data.token_offsets import TokenLengths
 
     tok = zoo_tokenizer(name, template)
     if name not in _PREPARED:
-        _PREPARED[name] = encoder = ChatEncoder(tok, ChatTemplate(name, template))
-        # the tokens' lengths depend on the tokenizer alone (its vocabulary and added tokens, shared by every template
-        # of one source): found once per source, not once per template (~0.3 s each for a 151k vocabulary). Each
-        # case's masks are still judged against the reference, so a wrong offset would show as WRONG.
-        source = pairing(name)[0]
-        if source not in _LENGTHS:
-            _LENGTHS[source] = TokenLengths(tok.backend_tokenizer)
-        encoder._lengths = copy.copy(_LENGTHS[source])
+        _PREPARED[name] = ChatEncoder(tok, ChatTemplate(name, template))
     return tok, _PREPARED[name]
 
 

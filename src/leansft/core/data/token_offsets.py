@@ -33,6 +33,8 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token
 # GPT-2's byte-level alphabet (one character per byte): a vocabulary string outside it (DeepSeek's special tokens
 # sit in its vocabulary as plain text) is never made by the model from bytes
 _BYTE_CHARS = frozenset(pre_tokenizers.ByteLevel.alphabet())
+_UNSEEN = np.iinfo(np.int64).min  # a vocabulary token's length not looked up yet
+_NO_TEXT = -(1 << 40)  # a token of no text (or no token): no text's lengths add up with it
 CHECKED = 2  # texts of an encoder's first batch the offsets are checked on too (its special tokens among them)
 PROBES = ("Hello world", "  two  spaces\n\nand\ttabs ", "x", "1234567 89.5%", "a-b_c/d\\e 'quoted' \"q\"",
           "line\r\nbreak", "   ", "\n", "MiXeD CaSe wordswordswords", "{\"json\": [1, 2]}",
@@ -72,7 +74,9 @@ def _kind(backend) -> tuple[str, list[str]] | None:
 
 class TokenLengths:
     """Each token's length in bytes, for a tokenizer whose offsets follow from it (else ``lengths`` is None;
-    also for ``backend=None``: offsets always from the tokenizer)."""
+    also for ``backend=None``: offsets always from the tokenizer). The added tokens' lengths are found at once, a
+    vocabulary token's the first time a text holds it: a run meets a few thousand of a vocabulary's 150-260k
+    tokens, and reading the whole vocabulary (``get_vocab``) took 0.1-0.25 s of CPU an encoder."""
 
     def __init__(self, backend=None) -> None:
         self.lengths: np.ndarray | None = None
@@ -80,26 +84,39 @@ class TokenLengths:
         if kind is None:
             return
         self._forms = kind[1]
-        vocab = backend.get_vocab(with_added_tokens=False)
-        size = self._size if kind[0] == "spaces" else len  # a byte-level token's characters are its bytes
+        self._model = backend.model
         self._fallback = backend.model.byte_fallback
-        lengths = np.zeros(max(backend.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1), np.int64)
-        lengths[np.fromiter(vocab.values(), np.int64, len(vocab))] = np.fromiter(map(size, vocab), np.int64, len(vocab))
-        for i, token in backend.get_added_tokens_decoder().items():
+        self._token_size = self._size if kind[0] == "spaces" else len  # a byte-level token's characters are its bytes
+        added = backend.get_added_tokens_decoder()
+        size = max(backend.get_vocab_size(with_added_tokens=False), max(added, default=-1) + 1)
+        lengths = np.full(size, _UNSEEN, np.int64)
+        for i, token in added.items():
             # matched on the text (or the normalised text), or made by the model from its vocabulary: the shorter,
             # so that no token is ever given more text than it covers (a text whose lengths add up then has each
             # token's own: one given less would leave the sum short)
             text = token.content.replace(_SPACE, " ") if token.normalized and kind[0] == "spaces" else token.content
             own = backend.model.id_to_token(i)
             made = own is not None and (kind[0] == "spaces" or set(own) <= _BYTE_CHARS)
-            lengths[i] = min(len(text.encode()), size(own) if made else 1 << 40)
-        lengths[lengths == 0] = -(1 << 40)  # a token of no text: no text's lengths add up with it
+            lengths[i] = min(len(text.encode()), self._token_size(own) if made else 1 << 40) or _NO_TEXT
         unknown = backend.model.unk_token
         if unknown and backend.model.token_to_id(unknown) is not None:  # stands for a character or more
             lengths[backend.model.token_to_id(unknown)] = 1
         self.lengths = lengths
         if not self.agree(backend, list(PROBES), strict=True):
             self.lengths = None
+
+    def _of(self, ids: np.ndarray) -> np.ndarray:
+        """``ids``' lengths, looking up the vocabulary tokens not met before (an id past the vocabulary: no text)."""
+        if len(ids) and ids.max() >= len(self.lengths):
+            self.lengths = np.concatenate([self.lengths, np.full(int(ids.max()) + 1 - len(self.lengths), _UNSEEN)])
+        found = self.lengths[ids]
+        unseen = found == _UNSEEN
+        if unseen.any():
+            for i in np.unique(ids[unseen]).tolist():
+                token = self._model.id_to_token(i)
+                self.lengths[i] = (self._token_size(token) or _NO_TEXT) if token is not None else _NO_TEXT
+            found = self.lengths[ids]
+        return found
 
     def _size(self, token: str) -> int:
         """The bytes a SentencePiece-style token stands for: ``▁`` a space, ``<0xNN>`` one byte."""
@@ -109,7 +126,7 @@ class TokenLengths:
         """The tokens' offsets in ``text``: for ASCII text where each ends ([n]; they partition it), else [n, 2]
         start and end characters; None where the text is not in the normaliser's forms or the lengths do not add
         up to its own."""
-        ends = np.cumsum(self.lengths[ids])
+        ends = np.cumsum(self._of(ids))
         if text.isascii():
             return ends if (ends[-1] if len(ends) else 0) == len(text) else None
         raw = text.encode()
@@ -123,7 +140,7 @@ class TokenLengths:
         in the normaliser's forms has them (the probes: plain text no token is short for)."""
         for text, enc in zip(texts, backend.encode_batch(texts, add_special_tokens=False)):
             ids = np.array(enc.ids, dtype=np.int64)
-            if len(ids) and (ids.max() >= len(self.lengths) or ids.min() < 0):
+            if len(ids) and ids.min() < 0:
                 return False
             found = self.offsets(ids, text)
             if found is None:
