@@ -308,7 +308,7 @@ def test_a_gguf_whose_tokenizer_differs_from_the_trained_one_is_refused_and_not_
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(CONFIGS["llama"](len(tok))).save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    monkeypatch.setattr(write, "_give_sentencepiece_model", lambda folder: None)
+    monkeypatch.setattr(write, "_give_sentencepiece_model", lambda folder, tj: None)
     assert main(["export", str(tmp_path / "m"), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 2
     err = capsys.readouterr().err
     assert "gives other token ids than the trained tokenizer on" in err and "Traceback" not in err

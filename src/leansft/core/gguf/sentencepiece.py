@@ -64,13 +64,9 @@ def _configured_unk(folder: Path) -> str | None:
     return unk.get("content") if isinstance(unk, dict) else unk
 
 
-def rebuild(folder: Path) -> bytes | None:
-    """A serialized SentencePiece model equivalent to ``folder``'s tokenizer.json, or None where that is not a
-    SentencePiece-style tokenizer (or there is none)."""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        return None
-    tj = json.loads(path.read_text(encoding="utf-8"))
+def rebuild(folder: Path, tj: dict) -> bytes | None:
+    """A serialized SentencePiece model equivalent to ``folder``'s tokenizer.json (``tj``, read), or None where that
+    is not a SentencePiece-style tokenizer."""
     if not sentencepiece_style(tj):
         return None
     from sentencepiece import sentencepiece_model_pb2 as pb
@@ -124,9 +120,8 @@ def rebuild(folder: Path) -> bytes | None:
     return proto.SerializeToString()
 
 
-def added_tokens_decoder(folder: Path) -> dict[str, dict]:
-    """tokenizer.json's added tokens as tokenizer_config.json's ``added_tokens_decoder`` (id -> its settings)."""
-    tj = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+def added_tokens_decoder(tj: dict) -> dict[str, dict]:
+    """tokenizer.json's (``tj``) added tokens as tokenizer_config.json's ``added_tokens_decoder`` (id -> settings)."""
     return {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in tj.get("added_tokens", [])}
 
 

@@ -123,7 +123,9 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     config = json.loads((folder / "config.json").read_text())
     _check_gemma3(config)
-    _give_sentencepiece_model(folder)
+    tokenizer_json = folder / "tokenizer.json"  # read once (Gemma 3's is 33 MB of JSON, half a second to read)
+    tj = json.loads(tokenizer_json.read_text(encoding="utf-8")) if tokenizer_json.is_file() else None
+    _give_sentencepiece_model(folder, tj)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.gguf")  # this call's own
     os.close(fd)
@@ -135,7 +137,7 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
             model.prepare_metadata(vocab_only=False)
             _add_generation_stops(model.gguf_writer, stop_ids)
             _state_sliding_window(model.gguf_writer, config)
-            prefix = _state_space_prefix(model.gguf_writer, folder)
+            prefix = _state_space_prefix(model.gguf_writer, folder, tj)
             model.gguf_writer.add_string(GGUF_MARKER_KEY, _marker(source))
             model.gguf_writer.write_header_to_file(path=tmp)
             model.gguf_writer.write_kv_data_to_file()
@@ -154,7 +156,7 @@ def convert(folder: Path, path: Path, dtype: str = "f16", stop_ids: Sequence[int
     return path
 
 
-def _give_sentencepiece_model(folder: Path) -> None:
+def _give_sentencepiece_model(folder: Path, tj: dict | None) -> None:
     """A ``tokenizer.model`` where the folder's tokenizer is SentencePiece-style and has none (transformers 5 saves
     tokenizer.json alone; a model read from a GGUF never had one): llama.cpp's converter writes a SentencePiece
     tokenizer only from that file, and took such a vocabulary for byte-level BPE without it
@@ -164,20 +166,20 @@ def _give_sentencepiece_model(folder: Path) -> None:
     cut into pieces by llama.cpp."""
     from leansft.core.gguf.sentencepiece import added_tokens_decoder, rebuild
 
-    if not (folder / "tokenizer.json").is_file():
+    if tj is None:  # no tokenizer.json
         return
     if not (folder / "tokenizer.model").is_file():
-        model = rebuild(folder)
+        model = rebuild(folder, tj)
         if model is not None:
             (folder / "tokenizer.model").write_bytes(model)
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     if (folder / "tokenizer.model").is_file() and not config.get("added_tokens_decoder"):
-        config["added_tokens_decoder"] = added_tokens_decoder(folder)
+        config["added_tokens_decoder"] = added_tokens_decoder(tj)
         config_file.write_text(json.dumps(config, ensure_ascii=False, indent=1), encoding="utf-8")
 
 
-def _state_space_prefix(writer, folder: Path) -> str | None:
+def _state_space_prefix(writer, folder: Path, tj: dict | None) -> str | None:
     """A SentencePiece file's ``add_space_prefix`` as the trained tokenizer prefixes text (``space_prefix``):
     llama.cpp prefixes a ``▁`` at the start and after every special token where it is true (its default when the
     key is missing, which the converter leaves for Llama's family). A tokenizer that prefixes only the very start
@@ -188,10 +190,9 @@ def _state_space_prefix(writer, folder: Path) -> str | None:
     from leansft.core.gguf.sentencepiece import space_prefix
 
     kv = writer.kv_data[0]
-    if "tokenizer.ggml.model" not in kv or kv["tokenizer.ggml.model"].value != "llama" \
-            or not (folder / "tokenizer.json").is_file():
+    if "tokenizer.ggml.model" not in kv or kv["tokenizer.ggml.model"].value != "llama" or tj is None:
         return None
-    found = space_prefix(json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")))
+    found = space_prefix(tj)
     if found == "first" and not _has_chat_template(folder):
         found = "always"
     key = "tokenizer.ggml.add_space_prefix"
