@@ -56,6 +56,21 @@ def test_tokenizer_change_invalidates_cache(tmp_path, load_tok, tiny_bpe_path, q
     assert (a.sources[0]["cache"], b.sources[0]["cache"]) == ("miss", "miss")
 
 
+def test_sources_of_one_preparation_fingerprint_the_tokenizer_once(tmp_path, tok, monkeypatch):
+    """The tokenizer is serialised and hashed once for all sources of a preparation (each source's cache key holds
+    it), not once per source; each source still keys on it."""
+    from leansft.core.data import dataset
+
+    calls = []
+    monkeypatch.setattr(dataset, "tokenizer_fingerprint", lambda t: calls.append(t) or "fp")
+    paths = [write_jsonl(tmp_path / f"{n}.jsonl", rows(2, prefix=n)) for n in "abc"]
+    _, rep = build(tok, tmp_path, paths)
+    assert calls == [tok] and [s["cache"] for s in rep.sources] == ["miss"] * 3
+    monkeypatch.setattr(dataset, "tokenizer_fingerprint", lambda t: "another tokenizer")
+    _, rep = build(tok, tmp_path, paths)
+    assert [s["cache"] for s in rep.sources] == ["miss"] * 3
+
+
 def test_dedupe_weights_and_no_assistant(tmp_path, tok):
     data = rows(4) + [rows(1)[0]] + [{"messages": [{"role": "user", "content": "alone"}]}]
     data[4]["messages"][0]["content"] = "  q0   QUESTION "  # same text after normalisation
