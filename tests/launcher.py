@@ -38,10 +38,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 # Imported once in the fork server: what a training run imports (the model classes the tests' tiny models use, DCP
-# and FSDP for the distributed runs), so that a forked process imports next to nothing.
+# and FSDP for the distributed runs, PEFT for LoRA (which imports bitsandbytes: 0.95 s of CPU), pyplot for the
+# run's report (0.25 s)), so that a forked process imports next to nothing.
 PRELOAD = ["leansft.tools.cli", "leansft.recipe.train", "transformers.models.llama.modeling_llama",
            "transformers.models.qwen2.modeling_qwen2", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-           "launcher"]
+           "peft", "matplotlib.pyplot", "launcher"]
 GRACE_S = 10  # after a rank fails, the others' time to end on SIGTERM before SIGKILL (torchrun gives 30)
 _SPENT = [0.0]
 
