@@ -41,14 +41,15 @@ def crafted_run(folder: Path) -> Path:
     return folder
 
 
-def get(server, path: str, method: str = "GET") -> tuple[int, bytes]:
-    """``path`` sent exactly as written (no client-side normalising of ``..`` or escapes)."""
+def get(server, path: str, method: str = "GET", headers: dict | None = None, reply_headers: bool = False):
+    """``(status, body)`` of ``path`` sent exactly as written (no client-side normalising of ``..`` or escapes);
+    ``headers`` (a ``Host`` among them) as given."""
     host, port = server.server_address[:2]
-    conn = http.client.HTTPConnection(host, port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1" if host == "0.0.0.0" else host, port, timeout=10)
     try:
-        conn.request(method, path)
+        conn.request(method, path, headers=headers or {})
         reply = conn.getresponse()
-        return reply.status, reply.read()
+        return (reply.status, reply.read()) + ((reply.headers,) if reply_headers else ())
     finally:
         conn.close()
 
@@ -88,6 +89,57 @@ def test_the_page_serves_its_runs_and_nothing_else(served):
         run_page.start([], port=served.server_address[1])
 
 
+ROUTES = ("/", "/index.html", "/static/page.js", "/api/runs", "/api/run/mine")
+
+
+def test_a_request_for_another_host_gets_no_run_data(tmp_path):
+    """DNS rebinding: a web page whose name now points at 127.0.0.1 sends its own name as ``Host``. Only the page's
+    names answer: loopback ones with its port, ``--allow-host`` names on any port."""
+    crafted_run(tmp_path / "runs" / "mine")
+    server = run_page.start([tmp_path / "runs"], port=0, allow_hosts=["runs.lab.example"])
+    port = server.server_address[1]
+    try:
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}", f"127.0.0.1:{port + 1}",
+                     f"localhost:{port}@evil.example", "", f"10.1.2.3:{port}"):
+            for path in ROUTES:
+                status, body = get(server, path, headers={"Host": host})
+                assert status == 403 and b"mine" not in body and b"Say hi" not in body, (host, path)
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}", f"[::1]:{port}", "127.0.0.1",
+                     "runs.lab.example", "runs.lab.example:443"):
+            status, body = get(server, "/api/run/mine", headers={"Host": host})
+            assert status == 200 and b"Say hi" in body, host
+        assert run_page.url(server) == f"http://127.0.0.1:{port}/" and run_page.exposure(server) is None
+    finally:
+        server.shutdown()
+
+
+def test_a_page_past_loopback_asks_for_its_token(tmp_path):
+    """``--host 0.0.0.0``: every route answers 403 without the token printed in the URL; the first page sets it as
+    a cookie that the page's own requests carry; the command warns that the page is open to whoever has the URL."""
+    crafted_run(tmp_path / "runs" / "mine")
+    server = run_page.start([tmp_path / "runs"], host="0.0.0.0", port=0)
+    port, token = server.server_address[1], server.access.token
+    try:
+        link = run_page.url(server)
+        assert link.endswith(f":{port}/?token={token}") and "0.0.0.0" not in link and len(token) >= 32
+        assert "0.0.0.0" in run_page.exposure(server) and "token" in run_page.exposure(server)
+        here = {"Host": f"127.0.0.1:{port}"}
+        for path in ROUTES:
+            for extra in ({}, {"Cookie": "leansft_token=wrong"}):
+                status, body = get(server, path, headers={**here, **extra})
+                assert status == 403 and b"Say hi" not in body, path
+            assert get(server, path + "?token=" + token[:-1] + "x", headers=here)[0] == 403
+        status, body, headers = get(server, f"/?token={token}", headers=here, reply_headers=True)
+        assert status == 200 and f"leansft_token={token}" in headers["Set-Cookie"]
+        assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+        status, body = get(server, "/api/run/mine", headers={**here, "Cookie": f"other=1; leansft_token={token}"})
+        assert status == 200 and b"Say hi" in body
+        assert get(server, "/api/runs", headers={"Host": f"evil.example:{port}", "Cookie": f"leansft_token={token}"}
+                   )[0] == 403  # the token does not open the page to another name
+    finally:
+        server.shutdown()
+
+
 def until(read, done, timeout: float = 60) -> object:
     """``read()`` again until ``done`` holds for it (the page's policy forbids a script the test would inject)."""
     deadline = time.monotonic() + timeout
@@ -107,8 +159,9 @@ def _chromium() -> str:
 
 @pytest.mark.slow
 def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
-    """``train --serve``: the loss chart gains points between two looks, a sample appears, no console errors;
-    then a crafted run's markup sample shows as text, live and in report.html."""
+    """``train --serve``: a name that resolves to 127.0.0.1 but is not the page's reads nothing; the loss chart
+    gains points between two looks, a sample appears, no console errors; then a crafted run's markup sample shows as
+    text, live and in report.html."""
     from playwright.sync_api import sync_playwright
 
     from leansft.recipe.report import write_report
@@ -137,14 +190,21 @@ def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
                     break
             assert url, "".join(said)[-3000:]
             with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+                browser = pw.chromium.launch(executable_path=chromium, args=[
+                    "--no-sandbox", "--host-resolver-rules=MAP evil.example 127.0.0.1"])  # a rebound name
                 page = browser.new_page()
+                rebound = url.replace("127.0.0.1", "evil.example")
+                for path in ("", "api/runs", "api/run/run"):  # the same server, by a foreign name: nothing to read
+                    answer = page.goto(rebound + path)
+                    assert answer.status == 403 and "forbidden" in page.content() and "loss" not in page.content()
                 page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
                 page.on("pageerror", lambda e: errors.append(str(e)))
                 page.goto(url + "?refresh=0.3")
                 points = lambda: int(page.get_attribute("#chart-loss", "data-points") or 0)  # noqa: E731
                 page.wait_for_selector("#chart-loss[data-points]", timeout=90_000)
                 first = until(points, lambda n: n > 0)
+                assert page.evaluate("tickLabels(null, [0, 0.0005, 0.001], 1, 0, 0.0005)") == [
+                    "0.0000", "0.0005", "0.0010"]  # an lr axis's labels read apart (uPlot's own: 0, 0.001, 0.001)
                 until(points, lambda n: n > first)  # a later look: more points
                 page.wait_for_selector("#samples td", timeout=60_000)
                 assert "step" in page.text_content("#status")

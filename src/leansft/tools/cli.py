@@ -372,8 +372,10 @@ def cmd_train(args) -> int:
     if args.serve and int(os.environ.get("RANK", "0")) == 0:
         from leansft.tools import run_page as server
 
-        page = server.start([Path(cfg.output_dir)], args.host, args.port)
+        page = server.start([Path(cfg.output_dir)], args.host, args.port, allow_hosts=args.allow_host)
         logging.getLogger("leansft").info("the run page: %s", server.url(page))
+        if server.exposure(page):
+            logging.getLogger("leansft").warning("%s", server.exposure(page))
     return main_train(cfg, resume)
 
 
@@ -415,7 +417,7 @@ def cmd_report(args) -> int:
     from leansft.recipe.report import write_report
 
     if args.serve:
-        return serve_page([Path(p) for p in args.run_dir], args.host, args.port)
+        return serve_page([Path(p) for p in args.run_dir], args.host, args.port, args.allow_host)
     if len(args.run_dir) != 1:
         raise LeanSFTError("report writes one run's report: several folders are for --serve")
     for path in write_report(Path(args.run_dir[0])):
@@ -429,15 +431,17 @@ def cmd_datasets(args) -> int:
     return print_registry(Path(args.registry))
 
 
-def serve_page(folders: list[Path], host: str, port: int) -> int:
+def serve_page(folders: list[Path], host: str, port: int, allow_hosts: list[str] = ()) -> int:
     """The live run page until Ctrl-C."""
     from leansft.tools import run_page as server
 
     for folder in folders:
         if not folder.is_dir():
             raise LeanSFTError("not a folder", file=str(folder))
-    page = server.start(folders, host, port)
+    page = server.start(folders, host, port, allow_hosts=allow_hosts)
     print(f"the run page: {server.url(page)} (Ctrl-C ends it)", flush=True)
+    if server.exposure(page):
+        print(f"warning: {server.exposure(page)}", flush=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
@@ -560,7 +564,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8765, help="the run page's port (0: any free one)")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address the run page listens on: loopback unless given (0.0.0.0: every interface; the "
-                        "page is read-only, but anyone who reaches it reads the run)")
+                        "page then asks for a token, printed in its URL)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a name the page also answers to in the Host header (a tunnel's or proxy's name); others get "
+                        "403, so a web site that rebinds its name to this machine reads nothing")
 
 
 def build_parser() -> argparse.ArgumentParser:

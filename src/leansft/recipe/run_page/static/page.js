@@ -24,6 +24,16 @@ function fmt(x, digits = 4) {
   return Math.abs(x) >= 1000 ? Math.round(x).toLocaleString("en-US") : x.toPrecision(digits);
 }
 
+// A value axis's tick labels with as many decimals as its ticks need to read apart and exact (uPlot's own stop at
+// three: an lr axis of 0, 0.0005, 0.001 read 0, 0.001, 0.001).
+function tickLabels(u, splits, axis, space, incr) {
+  let d = 0;
+  const exact = v => Math.abs(v - Number(v.toFixed(d))) <= Math.abs(incr || v || 1) * 1e-6;
+  while (d < 12 && !splits.every(exact)) d += 1;
+  return splits.map(v => (v == null ? "" : v.toLocaleString("en-US", {minimumFractionDigits: d,
+                                                                       maximumFractionDigits: d})));
+}
+
 function duration(s) {
   if (s == null || !isFinite(s)) return "-";
   s = Math.round(s);
@@ -59,7 +69,7 @@ function chart(id, title, xLabel, xs, series, parent, range) {
   const opts = {
     width, height: 220, legend: {live: false},
     scales: {x: range ? {time: false, range: () => range} : {time: false}},
-    axes: [{label: xLabel}, {size: 60}],
+    axes: [{label: xLabel}, {size: 60, values: tickLabels}],
     series: [{label: xLabel}, ...series.map((s, i) => ({
       label: s.label, stroke: s.color || colors[i % colors.length], width: s.width || 1.5, spanGaps: true,
       points: {show: s.points || false, size: 5},
