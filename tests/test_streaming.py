@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import launcher
@@ -289,3 +290,91 @@ def test_a_source_read_through_too_often_is_warned_about(sources, caplog):
     given = contributions(state, cfg)
     assert [g["share_got"] for g in given] == [0.75, 0.25] and [g["read_through"] for g in given] == [0, 9]
     assert "b.jsonl: read through 9 times" in caplog.text and "a.jsonl: read through" not in caplog.text
+
+
+def _break(folder: Path, how: str) -> None:
+    last = sorted(folder.glob("*.jsonl"))[-1]  # not read yet at step 2: the stream reads a few shards ahead
+    if how == "vanished":
+        folder.rename(folder.with_name("moved"))
+    elif how == "truncated":
+        with last.open("r+b") as fh:
+            fh.truncate(last.stat().st_size // 2)
+    else:  # rewritten in place: the same size, other rows
+        text = last.read_text()
+        last.write_text(text.replace("a", "e"))
+        os.utime(last, ns=(last.stat().st_atime_ns, last.stat().st_mtime_ns + 10**9))
+
+
+@pytest.mark.parametrize("how, said", [("vanished", "vanished"), ("truncated", "shrank from"),
+                                       ("rewritten", "was rewritten")])
+def test_a_stream_that_breaks_under_the_run_ends_in_one_line_and_its_checkpoint_resumes(
+        tmp_path, tiny_run_assets, monkeypatch, capsys, how, said):
+    """A folder of 12 shards streamed; after the step-2 checkpoint the folder is moved away, a shard not yet read is
+    cut short, or one is rewritten: ``leansft train`` exits 2 with one ``error:`` line naming the source, the file
+    and what changed, no traceback; with the data put back, the run resumes from its checkpoint and trains on."""
+    import shutil
+
+    import yaml
+
+    import leansft.recipe.train as recipe
+    from leansft.tools.cli import main
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    lines = Path(tiny_run_assets["data"]).read_text().splitlines(keepends=True)
+    for i in range(12):
+        (folder / f"{i:03d}.jsonl").write_text("".join(lines[8 * i: 8 * i + 8]))
+    shutil.copytree(folder, tmp_path / "kept")
+    cfg = run_config(tmp_path, tiny_run_assets, f"data.sources=[{{path: {folder}, streaming: true}}]",
+                     "data.stream.window=8", "data.stream.ahead=1", "data.num_workers=1", "training.max_steps=30",
+                     "checkpoint.save_every=2")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    real = recipe.train_step
+
+    def breaking(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if args[3] == 2:
+            _break(folder, how)
+        return out
+
+    monkeypatch.setattr(recipe, "train_step", breaking)
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert f"streaming source {folder}" in errors[0] and said in errors[0] and ".jsonl" in errors[0], errors[0]
+    steps = max(losses(Path(cfg.output_dir)))
+    assert 2 <= steps < 30
+    monkeypatch.setattr(recipe, "train_step", real)
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.copytree(tmp_path / "kept", folder)  # the data as the run started with it
+    shutil.copystat(tmp_path / "kept", folder)
+    for f in (tmp_path / "kept").iterdir():
+        shutil.copystat(f, folder / f.name)
+    assert main(["train", str(config), "--resume", "auto"]) == 0, capsys.readouterr().err
+    assert max(losses(Path(cfg.output_dir))) == 30
+
+
+def test_a_bad_row_inside_a_stream_follows_on_bad_row(sources, load_tok, qwen25_path, tmp_path, caplog):
+    """As in cached data: ``error`` stops with the file and row named; ``skip`` leaves it out, counted, warned."""
+    from leansft.core.errors import DataError
+
+    rows = Path(sources[2]).read_text().splitlines(keepends=True)[:40]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(rows[:30]) + '{"instruction": "torn\n' + "".join(rows[30:]))
+    tok = load_tok(qwen25_path)
+    for on_bad_row in ("error", "skip"):
+        stream = Stream(_data([str(bad)], "data.stream.window=100", "data.num_workers=1", f"data.on_bad_row={on_bad_row}",
+                              weights=(1,)), tok, resolve_template(tok, None))
+        try:
+            if on_bad_row == "error":
+                with pytest.raises(DataError, match="row 31.*invalid JSON"):
+                    stream.first_window()
+            else:
+                caplog.set_level(logging.WARNING, "leansft")
+                assert len(stream.first_window().data) == 40 and stream.sources[0].bad_rows == 1
+                assert "rows skipped (data.on_bad_row: skip)" in caplog.text
+        finally:
+            stream.close()

@@ -87,6 +87,7 @@ class SourceStream:
             self.format = detect_format(row, src.path, first[0])
             log.info("%s: detected format '%s' from row %d", src.path, self.format, first[0])
         self.job = {"src": src, "cfg": cfg, "encoder": encoder, "format": self.format}
+        self.seen = {f: _identity(f) for f in self.files}  # what each file was when the run opened it
         self.report = PrepReport()  # what cleaning removed, over everything read so far
         self.bad_rows = 0
 
@@ -95,9 +96,39 @@ class SourceStream:
         cursor's shard on (so a resumed stream cuts the same shards)."""
         for f in range(cursor.file, len(self.files)):
             offset, line = (cursor.offset, cursor.line) if f == cursor.file else (0, 0)
-            for shard in cut_shards(raw_rows_from(self.files[f], offset, line, self.src.split)):
+            self._unchanged(self.files[f])
+            shards = cut_shards(raw_rows_from(self.files[f], offset, line, self.src.split))
+            while True:
+                try:
+                    shard = next(shards, None)
+                except OSError as err:  # the file went away (or its disk) while it was read
+                    self._unchanged(self.files[f])
+                    raise self._broken(self.files[f], f"cannot be read: {err.strerror or err}") from None
+                self._unchanged(self.files[f])  # every shard from the file the run opened, or none
+                if shard is None:
+                    break
                 number, _, where = shard[0]
                 yield Cursor(cursor.lap, f, where, number - 1), [(n, raw) for n, raw, _ in shard]
+
+    def _unchanged(self, path: Path) -> None:
+        """Refuse a file that vanished, shrank, grew or was rewritten since the run opened the source: what it reads
+        next would not be the data its saved positions and fingerprint point into."""
+        was, now = self.seen[path], _identity(path)
+        if now == was:
+            return
+        if now is None:
+            raise self._broken(path, "vanished (moved or deleted)")
+        if isinstance(was[0], int) and was[0] != now[0]:
+            change = f"{'shrank' if now[0] < was[0] else 'grew'} from {was[0]:,} to {now[0]:,} bytes"
+        else:
+            change = "was rewritten (its modification time changed)"
+        raise self._broken(path, change)
+
+    def _broken(self, path: Path, what: str) -> DataError:
+        return DataError(f"streaming source {self.src.path}: the file {what} while the run read it", file=str(path),
+                         field=f"data.sources[{self.index}]",
+                         hint="put the source back as it was when the run started and resume (--resume auto: the "
+                              "newest checkpoint is intact), or start a new run on the new data")
 
     def examples(self, pool: ShardPool, cursor: Cursor) -> Iterator[tuple[Cursor, TokenizedDataset, int, int]]:
         """``(the cursor at the example's shard, the cleaned shard, the example's index in it, its target tokens)``
@@ -339,6 +370,18 @@ def contributions(state: dict, cfg: DataConfig) -> list[dict]:
                         "heart; raise its data or lower its weight (data.mix.warn_repeats %g)", src.path, laps,
                         100 * shares[i], cfg.mix.warn_repeats)
     return out
+
+
+def _identity(path: Path) -> tuple | None:
+    """A streamed file's (size, modification time), or a saved dataset folder's files' ones; None where it is gone."""
+    try:
+        if path.is_dir():
+            return tuple((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
+                         for f in sorted(path.rglob("*")) if f.is_file())
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def _quick_fingerprint(path: Path) -> str:
