@@ -215,7 +215,7 @@ class StubJudge(BaseHTTPRequestHandler):
         pass
 
 
-def test_mtbench_is_graded_by_the_named_judge_with_mt_benchs_prompts(tmp_path, no_network):
+def test_mtbench_is_graded_by_the_named_judge_with_mt_benchs_prompts(tmp_path, no_network, capsys):
     """Eight questions (one per category under --limit 8), both turns given; each turn graded once with MT-Bench's
     single-answer prompts: math, reasoning and coding against GPT-4's reference answers."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), StubJudge)
@@ -241,12 +241,48 @@ def test_mtbench_is_graded_by_the_named_judge_with_mt_benchs_prompts(tmp_path, n
                  b["messages"][-1]["content"]]
         assert len(asked) == 2 and all(item["responses"][0] in a for a in asked)
         assert ("[The Start of Reference Answer]" in asked[0]) == (item["category"] in ("math", "reasoning", "coding"))
-    # the judge gone: the answers are kept, the suite says why it has no score (a run's last step still saves)
+    assert result["settings"] == {"model": "none", "responses": str(given), "suite": "mtbench", "kind": "mtbench",
+                                  "data": None, "shots": 0, "limit": 8, "seed": 0, "max_new_tokens": 512,
+                                  "judge_url": f"http://127.0.0.1:{server.server_port}/v1", "judge_model": "stub"}
+    # the judge gone: the answers are written, the suite says why it has no score, the command exits non-zero
+    out.unlink()
     assert main(["eval", "none", "--suite", "mtbench", "--limit", "8", "--responses", str(given),
-                 "--judge-url", f"http://127.0.0.1:{server.server_port}/v1", "--json", str(out)]) == 0
+                 "--judge-url", f"http://127.0.0.1:{server.server_port}/v1", "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error") and "the judge gave no ratings" in err and str(out) in err and "Traceback" not in err
     (result,) = json.loads(out.read_text())
-    assert result["score"] is None and len(result["items"]) == 8
-    assert any("did not answer" in reason for reason in result["skipped"])
+    assert result["score"] is None and [it["responses"] for it in result["items"]][0][0].startswith("first")
+    assert len(result["items"]) == 8 and result["judge_failed"] and any("did not answer" in r for r in result["skipped"])
+
+
+class MuteJudge(StubJudge):
+    """A judge that answers, but never with a rating in MT-Bench's form."""
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": "I would rather not say."}}]})
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data.encode())
+
+
+def test_a_judge_that_gives_no_rating_is_counted_not_a_crash(tmp_path, no_network, capsys):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), MuteJudge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    given, out = tmp_path / "given.jsonl", tmp_path / "out.json"
+    given.write_text("".join(json.dumps({"turns": [f"first {i}", f"second {i}"]}) + "\n" for i in range(2)))
+    try:
+        assert main(["eval", "none", "--suite", "mtbench", "--limit", "2", "--responses", str(given),
+                     "--judge-url", f"http://127.0.0.1:{server.server_port}/v1", "--json", str(out)]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    said = capsys.readouterr().out
+    assert "rating n/a (the judge's replies held no rating) over 2 items" in said and "skipped 4:" in said
+    (result,) = json.loads(out.read_text())  # strict JSON: no NaN
+    assert result["score"] is None and result["scores"] == {"rating": None, "turn1": None, "turn2": None}
+    assert result["skipped"] == {"ratings the judge gave in no parseable form": 4}
 
 
 @pytest.mark.parametrize("suite, says", [("mmlu", "hf download cais/mmlu"),

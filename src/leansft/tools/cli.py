@@ -327,22 +327,36 @@ def eval_suites(args) -> int:
                                                       settings=settings),
             render=lambda prompt: settings.render(tokenizer, template, prompt),
             choices=lambda requests: choice_logprobs(net, tokenizer, requests))
-    results = []
-    for suite, items, skipped in loaded:
-        result = suites.run_suite(suite, items, model, skipped)
-        if result["score"] is None:
-            print(f"{suite.name}: {result['n']} answers ({result['metric']})")
-        else:
-            low, high = result["ci95"]
-            print(f"{suite.name}: {result['metric']} {result['score']:.3f} (95% interval {low:.3f} to {high:.3f}) "
-                  f"over {result['n']} items")
-        others = {k: v for k, v in result["scores"].items() if k != result["metric"]}
-        if others:
-            print("  " + ", ".join(f"{k} {v:.3f}" for k, v in others.items()))
-        for reason, count in result["skipped"].items():
-            print(f"  skipped {count}: {reason}")
-        results.append(result)
-    _write_json(args.json, results)
+    results, failed = [], []
+    try:  # --json holds every suite scored, whatever ends the command
+        for suite, items, skipped in loaded:
+            result = suites.run_suite(suite, items, model, skipped)
+            result["settings"] = {"model": args.model, "responses": args.responses, "suite": suite.name,
+                                  "kind": suite.kind, "data": suite.data, "shots": suite.shots, "limit": suite.limit,
+                                  "seed": args.seed, "max_new_tokens": suite.answer_tokens,
+                                  "judge_url": suite.judge_url, "judge_model": suite.judge_model}
+            results.append(result)
+            if result["score"] is None and result["metric"] == "rating":  # a judge that rated nothing
+                print(f"{suite.name}: rating n/a (the judge's replies held no rating) over {result['n']} items")
+            elif result["score"] is None:
+                print(f"{suite.name}: {result['n']} answers ({result['metric']})")
+            else:
+                low, high = result["ci95"]
+                print(f"{suite.name}: {result['metric']} {result['score']:.3f} (95% interval {suites.num(low)} to "
+                      f"{suites.num(high)}) over {result['n']} items")
+            others = {k: v for k, v in result["scores"].items() if k != result["metric"]}
+            if others:
+                print("  " + ", ".join(f"{k} {suites.num(v)}" for k, v in others.items()))
+            for reason, count in result["skipped"].items():
+                print(f"  skipped {count}: {reason}")
+            if result.get("judge_failed"):
+                failed.append(f"{suite.name}: {result['judge_failed']}")
+    finally:
+        _write_json(args.json, results)
+    if failed:  # the answers are written; the scores the judge was to give are not
+        raise LeanSFTError("the judge gave no ratings: " + "; ".join(failed), field="--judge-url",
+                           hint="the answers are kept" + (f" in {args.json}" if args.json else " (--json FILE keeps "
+                                                          "them)") + "; check the judge's address and model")
     return 0
 
 

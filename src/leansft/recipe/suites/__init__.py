@@ -81,7 +81,8 @@ def run_suite(suite: SuiteConfig, items: list[dict], model: Model, skipped: dict
     low, high = interval(values) if len(values) else (None, None)
     return {"suite": suite.name, "kind": suite.kind, "metric": result["metric"], "n": len(result["items"]),
             "score": headline, "ci95": [low, high], "scores": result["scores"],
-            "skipped": {**(skipped or {}), **result.get("skipped", {})}, "items": result["items"]}
+            "skipped": {**(skipped or {}), **result.get("skipped", {})}, "items": result["items"],
+            **({"judge_failed": result["judge_failed"]} if result.get("judge_failed") else {})}
 
 
 def before_after(records: list[dict]) -> list[dict]:
@@ -109,7 +110,7 @@ def read_results(run: Path) -> list[dict]:
     return read_jsonl(run / RESULTS)
 
 
-def _num(value: float | None, fmt: str = ".3f") -> str:
+def num(value: float | None, fmt: str = ".3f") -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
@@ -122,9 +123,9 @@ def table(records: list[dict]) -> list[str]:
              "| --- | --- | ---: | ---: | ---: | --- |"]
     for r in rows:
         low, high = r["delta_ci95"]
-        change = "n/a" if r["delta"] is None else f"{r['delta']:+.3f} ({_num(low, '+.3f')} to {_num(high, '+.3f')})"
-        lines.append(f"| {r['suite']} | {r['metric']} | {r['n']} | {_num(r['before'])} (step {r['before_step']}) | "
-                     f"{_num(r['after'])} (step {r['after_step']}) | {change} |")
+        change = "n/a" if r["delta"] is None else f"{r['delta']:+.3f} ({num(low, '+.3f')} to {num(high, '+.3f')})"
+        lines.append(f"| {r['suite']} | {r['metric']} | {r['n']} | {num(r['before'])} (step {r['before_step']}) | "
+                     f"{num(r['after'])} (step {r['after_step']}) | {change} |")
     return lines
 
 
@@ -145,7 +146,7 @@ def section(records: list[dict], answers: bool = True) -> list[str]:
     for name, record in last.items():
         others = {k: v for k, v in record.get("scores", {}).items() if k != record["metric"]}
         if others:
-            lines.append(f"- {name} at step {record['step']}: " + ", ".join(f"{k} {v:.3f}" for k, v in others.items()))
+            lines.append(f"- {name} at step {record['step']}: " + ", ".join(f"{k} {num(v)}" for k, v in others.items()))
         for reason, count in record.get("skipped", {}).items():
             lines.append(f"- {name}: {count} skipped, {reason}")
     if answers:

@@ -66,9 +66,9 @@ class Checkers:
             if kind == "ifbench":
                 self.registry, self.lib = offline.import_ifbench()
             else:
-                offline.require("lm_eval", "ifeval")
-                self.lib = importlib.import_module("lm_eval.tasks.ifeval.utils")
-                self.registry = importlib.import_module("lm_eval.tasks.ifeval.instructions_registry")
+                # the modules it scores with, so a package they import (lm-eval's tasks import sacrebleu) is named
+                self.lib = offline.require("lm_eval.tasks.ifeval.utils", "ifeval")
+                self.registry = offline.require("lm_eval.tasks.ifeval.instructions_registry", "ifeval")
             self.missing = {need for need in set(NEEDS.values()) if not offline.have(need)}
 
     def skip_reason(self, instruction_id: str) -> str | None:

@@ -115,14 +115,17 @@ def score(suite: SuiteConfig, items: list[dict], answers: list[list[str]], seen:
                 rated = [r for r in entry["ratings"] if r is not None]
                 entry["score"] = float(np.mean(rated)) if rated else None
         scored.append(entry)
-    if failure is not None:
-        return {"metric": "answers (no judge)", "scores": {}, "items": scored, "skipped": {failure: len(items)}}
+    if failure is not None:  # the answers are kept; ``judge_failed`` makes ``leansft eval`` exit non-zero
+        return {"metric": "answers (no judge)", "scores": {}, "items": scored, "skipped": {failure: len(items)},
+                "judge_failed": failure}
     if judge is None:
         return {"metric": "answers (no judge)", "scores": {}, "items": scored}
-    ratings = [r for s in scored for r in s["ratings"] if r is not None]
     unparsed = sum(r is None for s in scored for r in s["ratings"])
-    scores = {"rating": float(np.mean(ratings)) if ratings else float("nan"),
-              "turn1": float(np.mean([s["ratings"][0] for s in scored if s["ratings"][0] is not None] or [np.nan])),
-              "turn2": float(np.mean([s["ratings"][1] for s in scored if s["ratings"][1] is not None] or [np.nan]))}
-    return {"metric": "rating", "scores": scores, "items": scored,
+
+    def mean(turns: tuple[int, ...]) -> float | None:  # None where the judge rated none of them
+        rated = [s["ratings"][t] for s in scored for t in turns if s["ratings"][t] is not None]
+        return float(np.mean(rated)) if rated else None
+
+    return {"metric": "rating", "scores": {"rating": mean((0, 1)), "turn1": mean((0,)), "turn2": mean((1,))},
+            "items": scored,
             "skipped": {"ratings the judge gave in no parseable form": unparsed} if unparsed else {}}

@@ -115,11 +115,11 @@ def import_ifbench():
         sys.modules["spacy"] = types.ModuleType("spacy")
         sys.modules["spacy.cli"] = stand_in
         try:
-            importlib.import_module("ifbench.instructions")
+            require("ifbench.instructions", "ifbench")  # what it imports in turn, named where missing
         finally:
             for name, module in saved.items():
                 if module is None:
                     sys.modules.pop(name, None)
                 else:
                     sys.modules[name] = module
-    return importlib.import_module("ifbench.instructions_registry"), importlib.import_module("ifbench.evaluation_lib")
+    return require("ifbench.instructions_registry", "ifbench"), require("ifbench.evaluation_lib", "ifbench")
