@@ -40,9 +40,9 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 # first: xdist hands each worker a whole file (--dist loadfile) in collection order (--no-loadscope-reorder,
 # pyproject's addopts; by default it orders files by their number of tests, which started the one-minute GPU-check
 # rehearsal last, alone on one worker). test_engine is one 30-s compile test: started early, not left for last.
-HEAVIEST_FIRST = ("test_install.py", "test_vision.py", "test_gguf.py", "test_examples.py", "test_distributed.py", "test_engine.py",
-                  "test_recovery.py", "test_template_zoo.py", "test_benchmarks.py", "test_content_tokens.py",
-                  "test_cli.py", "test_streaming.py", "test_template.py")
+HEAVIEST_FIRST = ("test_install.py", "test_vision.py", "test_gguf.py", "test_examples.py", "test_distributed.py",
+                  "test_engine.py", "test_recovery.py", "test_template_zoo.py", "test_benchmarks.py",
+                  "test_content_tokens.py", "test_cli.py", "test_streaming.py", "test_template.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import launcher
 import pytest
+import torch
 import yaml
 from helpers import run_config
 from safetensors.torch import load_file
@@ -541,3 +542,66 @@ def test_commands_that_only_read_data_import_no_fsdp():
     probe = "import sys, leansft.core.data.prepare\nprint('torch.distributed.fsdp' in sys.modules)\n"
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert r.stdout.strip() == "False", r.stderr[-2000:]
+
+
+SLOW_WRITES = """
+import sys, time
+import leansft.core.io.checkpoint_files as ckpt
+from leansft.tools.cli import main
+real = ckpt.write_safetensors
+def slow(tensors, path):  # a background write long enough to be killed inside
+    real(tensors, path)
+    time.sleep(0.6)
+ckpt.write_safetensors = slow
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_kill_9_of_a_rank_inside_a_background_save_leaves_the_newest_complete_checkpoint(tmp_path, tiny_run_assets,
+                                                                                        strategy):
+    """checkpoint.async on two ranks: ten launches, each killed (SIGKILL, one rank, the other ended as torchrun ends
+    it) while a checkpoint's files are written in the background (caught by its half-written .tmp-step-N, a
+    random moment into it); each time the newest checkpoint in place verifies and its state is its step's. Resumed
+    on two ranks, the run ends with the uninterrupted run's weights, bit for bit."""
+    import random
+    import signal
+    import time
+
+    from leansft.core.io import checkpoint_files as ckpt
+
+    common = ("training.max_steps=8", "checkpoint.keep_last=2", "checkpoint.export=true",
+              "batching.gradient_accumulation=1", f"distributed.strategy={strategy}", "distributed.timeout_s=60",
+              f"data.cache_dir={tmp_path / 'cache'}")
+    whole = run_config(tmp_path / "whole", tiny_run_assets, *common)  # saved once, at its end: saves change nothing
+    said = launch(write(whole, tmp_path / "whole.yaml"), 2)
+    assert "in the background" in said, said[-2000:]
+    cut = run_config(tmp_path / "cut", tiny_run_assets, *common, "checkpoint.save_every=1")
+    config, script = write(cut, tmp_path / "cut.yaml"), tmp_path / "slow_writes.py"
+    script.write_text(SLOW_WRITES)
+    folder, rng, caught = Path(cut.output_dir) / "checkpoints", random.Random(0), 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for trial in range(10):
+        started = time.time_ns()
+        with launcher.Launch([str(script), config, "--resume", "auto"], 2, env=env, stderr_to_stdout=True) as run:
+            deadline, writing = time.monotonic() + 120, []
+            while not writing:  # this launch's own write under way, with a checkpoint before it
+                writing = [p for p in folder.glob(".tmp-step-*") if any(
+                    f.stat().st_mtime_ns > started for f in p.glob("*.safetensors"))] if ckpt.list_checkpoints(
+                    folder) else []
+                assert run.poll() is None, f"trial {trial}: ended before a write was caught: {run.output()[-2000:]}"
+                assert time.monotonic() < deadline, f"trial {trial}: no background write in 120 s"
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.3))  # into the write: its first file is 0.6 s from the next
+            os.kill(run.pids[rng.randrange(2)], signal.SIGKILL)
+            caught += writing[0].exists()  # killed inside the write (not after its rename)
+            run.wait(120)  # the other rank ended as torchrun ends a failed rank's peers
+        newest = ckpt.list_checkpoints(folder)[-1]
+        assert ckpt.damage(newest) is None, (trial, newest, ckpt.damage(newest))
+        assert json.loads((newest / "state.json").read_text())["step"] == int(newest.name.removeprefix("step-"))
+    assert caught == 10, caught  # every kill landed inside a write
+    launch(config, 2, "--resume", "auto", "checkpoint.save_every=4")
+    assert not list(folder.glob(".tmp-*"))
+    a, b = weights(Path(whole.output_dir)), weights(Path(cut.output_dir))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -318,8 +318,8 @@ class CheckpointConfig(_Strict):
 
     save_every: int | None = Field(None, gt=0, description="a checkpoint every N steps (and at the end)")
     async_: bool = Field(True, alias="async", description="write checkpoints in the background while training goes "
-                         "on (the state copied first; at most one save in flight; the last one awaited). One process "
-                         "only: multi-rank saves stay synchronous")
+                         "on, on every rank (each rank's part copied first; at most one save in flight; the last one "
+                         "awaited)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept, newest first")
     keep_best: int = Field(1, ge=0, description="checkpoints kept by best eval loss, besides keep_last")
     export: bool = Field(True,

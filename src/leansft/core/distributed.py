@@ -40,6 +40,15 @@ def init(timeout_s: float = 600) -> None:
     _HEARTBEAT.start()
 
 
+def side_group(timeout_s: float):
+    """A gloo process group of every rank beside the training's, for the collectives a background thread runs (a
+    checkpoint written while training goes on): on the training's own group two threads' collectives would
+    interleave in another order on each rank. Call it on every rank, in the same order; None in a single process."""
+    if not is_distributed():
+        return None
+    return tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 class Heartbeat(threading.Thread):
     """A daemon thread that counts up this rank's beat in the process group's store (torchrun's) every
     ``EVERY_S``, with its host. A frozen process or a lost machine stops counting; ``stalled`` names who did."""
@@ -179,12 +188,13 @@ def whoami() -> str:
     return f"rank {rank()} on {socket.gethostname()}"
 
 
-def all_gather_object(obj) -> list:
-    """Every rank's ``obj``, in rank order (``[obj]`` in a single process)."""
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's ``obj``, in rank order (``[obj]`` in a single process); on ``group`` where given (every rank of
+    the world in it)."""
     if not is_distributed():
         return [obj]
     out = [None] * world_size()
-    tdist.all_gather_object(out, obj)
+    tdist.all_gather_object(out, obj, group=group)
     return out
 
 

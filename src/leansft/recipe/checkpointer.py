@@ -8,7 +8,6 @@ stopped), saves the loop's state with the evaluator's, and keeps the last/best o
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from leansft.core.errors import LeanSFTError
 from leansft.core.io import async_save
 from leansft.core.io import checkpoint_files as ckpt
 from leansft.core.io import run_lock
+from leansft.core.io.host_copies import HostBuffers
 from leansft.recipe.batches import Position
 from leansft.recipe.throughput import StepCounts
 from leansft.recipe.trackers import flatten
@@ -286,13 +286,11 @@ class Checkpointer:
         self.storage = storage or distributed.Storage.one_folder()
         self.config_dict = cfg.model_dump(mode="json")
         self.data_fingerprint = data_fingerprint  # the training data's (TokenizedDataset.fingerprint)
-        # checkpoint.async: one process writes in the background (a multi-rank save's collectives stay here)
-        one = distributed.world_size() == 1
-        self.background = async_save.BackgroundSave(root) if cfg.checkpoint.async_ and one else None
-        self.buffers = async_save.HostBuffers() if self.background is not None else None
+        # checkpoint.async: every rank writes its part on a thread of its own, the ranks agreeing on a group of theirs
+        self.background = async_save.BackgroundSave(root) if cfg.checkpoint.async_ else None
+        self.buffers = HostBuffers() if self.background is not None else None
+        self.group = distributed.side_group(cfg.distributed.timeout_s) if self.background is not None else None
         self.waits: list[float] = []  # seconds the loop waited for each save (staging and a save still in flight)
-        if cfg.checkpoint.async_ and not one and distributed.rank() == 0:
-            log.info("checkpoint.async: saves are written synchronously on %d ranks", distributed.world_size())
 
     def load(self, path: Path | None) -> tuple[TrainState, dict]:
         """The state to continue from (a fresh one without ``path``) and the saved evaluator state."""
@@ -361,8 +359,8 @@ class Checkpointer:
 
     def save(self, state: TrainState, evaluator: dict, last: bool = False) -> None:
         """Every rank takes part (``save_checkpoint``); then each folder's writer prunes its old ones. With
-        ``checkpoint.async`` (one process) the state is copied and written in the background; ``last``: the run
-        ends after this save, which is then awaited."""
+        ``checkpoint.async`` each rank's part is copied to the host and written in the background (``async_save``);
+        ``last``: the run ends after this save, which is then awaited."""
         extra = state.as_dict()
         step = extra.pop("step")
         extra.update(eval_loss=evaluator.get("last_eval_loss"), evaluator=evaluator,
@@ -370,19 +368,20 @@ class Checkpointer:
                      data_parallel=distributed.world_size() // self.cfg.distributed.context_parallel,
                      data_fingerprint=self.data_fingerprint)
         t0 = time.perf_counter()
-        if self.background is not None:
-            self.background.wait()  # at most one save in flight
-            staged = async_save.stage(step, self.root, self.optimizer, self.scheduler, copy.deepcopy(extra),
-                                      self.config_dict, self.buffers)
-            self.background.start(self.folder, staged, self._written)
-            if last:
-                self.background.wait()
+        if self.background is None:
+            path = ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra,
+                                        self.config_dict, self.sharded, self.storage)
             self.waits.append(time.perf_counter() - t0)
+            self._written(path, time.perf_counter() - t0)
             return
-        path = ckpt.save_checkpoint(self.folder, step, self.root, self.optimizer, self.scheduler, extra,
-                                    self.config_dict, self.sharded, self.storage)
+        self.background.wait()  # at most one save in flight
+        snap = ckpt.take_snapshot(step, self.root, self.optimizer, self.scheduler, extra, self.sharded, self.storage,
+                                  self.buffers)
+        self.background.start(step, self.folder, lambda: ckpt.write_snapshot(
+            self.folder, snap, self.root, self.config_dict, self.sharded, self.storage, self.group), self._written)
+        if last:
+            self.background.wait()
         self.waits.append(time.perf_counter() - t0)
-        self._written(path, time.perf_counter() - t0)
 
     def _written(self, path: Path, seconds: float) -> None:
         """After a checkpoint is in place (on the writer thread where async): said, and the old ones pruned."""

@@ -26,6 +26,7 @@ checkpoint. On node-local disks each node's folder holds the whole checkpoint bu
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -34,6 +35,7 @@ import os
 import random
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 from leansft.core import distributed
 from leansft.core.errors import LeanSFTError
 from leansft.core.io import dcp_node_local, dcp_safe
+from leansft.core.io.host_copies import HostBuffers
 
 log = logging.getLogger("leansft")
 PREFIX = "step-"
@@ -156,23 +159,76 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict, same_ranks: boo
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
+@dataclass
+class Snapshot:
+    """What this rank gives checkpoint ``step``, read out of training (``take_snapshot``): the live tensors for a
+    save written now, host copies of them for one written in the background while training goes on."""
+
+    step: int
+    rng: tuple[dict[str, torch.Tensor], dict]  # this rank's generators
+    first: dict | None = None  # rank 0: the loop's state and the scheduler's
+    weights: tuple | None = None  # a writer of an unsharded checkpoint: (model tensors, optimizer tensors, meta)
+    shards: dict | None = None  # sharded: this rank's DCP state dicts {"model", "optim"}
+    copied: torch.cuda.Event | None = None  # where device-to-host copies were queued: their end
+
+
+def take_snapshot(step: int, root, optimizer, scheduler, state: dict, sharded: bool = False,
+                  storage: distributed.Storage | None = None, buffers: HostBuffers | None = None) -> Snapshot:
+    """This rank's part of checkpoint ``step``. Without ``buffers`` it holds the training tensors themselves (write
+    it before the next step); with them, copies (the weights and optimizer state into ``buffers``), so training
+    may go on while it is written."""
+    storage = storage or distributed.Storage.one_folder()
+    snap = Snapshot(step, _rng_state())
+    if distributed.rank() == 0:
+        snap.first = {"state": copy.deepcopy(state), "scheduler": copy.deepcopy(scheduler.state_dict())}
+    if sharded:
+        snap.shards = {"model": get_model_state_dict(root, options=_TRAINED),
+                       "optim": get_optimizer_state_dict(root, optimizer)}
+        if buffers is not None:
+            snap.shards = buffers.copy_state_dict(snap.shards)
+    elif storage.writer():
+        model, (opt, meta) = _model_state(root), _optimizer_state(root, optimizer)
+        if buffers is not None:
+            model = {k: buffers.copy(f"model/{k}", v) for k, v in model.items()}
+            opt, meta = {k: buffers.copy(f"optim/{k}", v) for k, v in opt.items()}, copy.deepcopy(meta)
+        snap.weights = (model, opt, meta)
+    if buffers is not None:
+        snap.copied = buffers.queued()
+    return snap
+
+
 def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: dict, config: dict,
                     sharded: bool = False, storage: distributed.Storage | None = None) -> Path:
-    """Write checkpoint ``step`` under ``folder`` atomically; return its path. Call it on every rank.
+    """Write checkpoint ``step`` under ``folder`` now, atomically; return its path. Call it on every rank."""
+    snap = take_snapshot(step, root, optimizer, scheduler, state, sharded, storage)
+    return write_snapshot(folder, snap, root, config, sharded, storage)
 
-    ``root``: the model + loss module as trained (plain, DDP- or FSDP-wrapped). ``storage``: which ranks share
-    ``folder`` (``distributed.storage_of``; default: all of them). The first rank of each group writes the
-    checkpoint into its group's folder (rank 0 alone on shared storage, each node on node-local disks), from
-    rank 0's state; with ``sharded`` (FSDP) every rank writes its own shards of ``dcp/`` through
-    torch.distributed.checkpoint (``dcp_node_local`` where the ranks do not share a folder). The manifest lists
-    every rank's files, so a checkpoint missing one does not verify. The step exists only when every group's part
-    is complete: each is written into a temporary folder, the ranks agree it is complete, then each is renamed. A
-    failure on any rank (a full disk, say) removes every temporary folder, leaves the earlier checkpoints as they
+
+def write_snapshot(folder: Path, snap: Snapshot, root, config: dict, sharded: bool = False,
+                   storage: distributed.Storage | None = None, group=None) -> Path:
+    """Write checkpoint ``snap.step`` under ``folder`` atomically; return its path. Call it on every rank, on the
+    training thread or (with host copies in ``snap`` and ``group``, a process group of its own) on a thread of its
+    own while training goes on: its collectives then run on ``group``, never beside the training's.
+
+    ``root``: the model + loss module as trained (for a full disk's message: how much a checkpoint needs).
+    ``storage``: which ranks share ``folder`` (``distributed.storage_of``; default: all of them). The first rank of
+    each group writes the checkpoint into its group's folder (rank 0 alone on shared storage, each node on
+    node-local disks), from rank 0's state; with ``sharded`` (FSDP) every rank writes its own shards of ``dcp/``
+    through torch.distributed.checkpoint (``dcp_node_local`` where the ranks do not share a folder). The manifest
+    lists every rank's files, so a checkpoint missing one does not verify. The step exists only when every group's
+    part is complete: each is written into a temporary folder, the ranks agree it is complete, then each is renamed.
+    A failure on any rank (a full disk, say) removes every temporary folder, leaves the earlier checkpoints as they
     were and raises the same error on every rank.
     """
     storage = storage or distributed.Storage.one_folder()
+    step = snap.step
     final, tmp = folder / f"{PREFIX}{step}", folder / f".tmp-{PREFIX}{step}"
     rank, writer, several = distributed.rank(), storage.writer(), not storage.shared
+    if snap.copied is not None:
+        snap.copied.synchronize()
+
+    def agreed(work) -> list:
+        return _agreed(work, step, folder, tmp, writer, root, group)
 
     def begin():
         if writer:
@@ -180,17 +236,14 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
             if sharded:
                 (tmp / "dcp").mkdir()
         # what every folder holds is rank 0's (and every rank's generator state): the writers of other groups get it
-        if rank == 0:
-            return {"state": state, "scheduler": scheduler.state_dict(), "rng": _rng_state()}
-        return {"rng": _rng_state()}
+        return {"rng": snap.rng, **(snap.first or {})}
 
     def shards():
-        both = {"model": get_model_state_dict(root, options=_TRAINED), "optim": get_optimizer_state_dict(root, optimizer)}
         plans = None
         if several:  # each group's folder gets what its ranks read, and a .metadata pointing there
-            plans = dcp_node_local.save(both, str(tmp / "dcp"), storage.groups)
+            plans = dcp_node_local.save(snap.shards, str(tmp / "dcp"), storage.groups, group)
         else:
-            dcp.save(both, checkpoint_id=str(tmp / "dcp"))
+            dcp.save(snap.shards, checkpoint_id=str(tmp / "dcp"), process_group=group)
         own = {f"dcp/{f.name}": f for f in sorted((tmp / "dcp").glob(f"__{rank}_*.distcp"))}
         return {name: {**_file_entry(f), "rank": rank} for name, f in own.items()}, plans
 
@@ -199,31 +252,31 @@ def save_checkpoint(folder: Path, step: int, root, optimizer, scheduler, state: 
             return
         if sharded and plans:
             (tmp / "dcp" / ".metadata").write_bytes(plans[storage.group()])
-        weights = None if sharded else (_model_state(root), *_optimizer_state(root, optimizer))
         rng_tensors, rng_meta = first["rng"]
         rng = _torch_rng_by_rank(rng_tensors, [r["rng"][0] for r in began]), rng_meta
         full_state = {**first["state"], "step": step, "scheduler": first["scheduler"], "sharded": sharded,
                       "world_size": distributed.world_size()}
-        return write_files(tmp, weights, rng, full_state, config, owned, "node_local" if several else "shared")
+        return write_files(tmp, None if sharded else snap.weights, rng, full_state, config, owned,
+                           "node_local" if several else "shared")
 
     def rename():
         if writer:
             put_in_place(tmp, final)
 
     try:
-        began = _agreed(begin, step, folder, tmp, writer, root)
+        began = agreed(begin)
         first = began[0]
         owned, plans = {}, None
         if sharded:
-            parts = _agreed(shards, step, folder, tmp, writer, root)
+            parts = agreed(shards)
             owned, plans = {k: v for entries, _ in parts for k, v in entries.items()}, parts[0][1]
-        copies = [files for files in _agreed(write, step, folder, tmp, writer, root) if files]
+        copies = [files for files in agreed(write) if files]
         differ = sorted(name for name, entry in copies[0].items() if name != "dcp/.metadata"
                         and any(other.get(name) != entry for other in copies[1:]))
         if differ:  # every node's copy is rank 0's state: DDP replicas that differ have diverged
             raise LeanSFTError(f"cannot write checkpoint step-{step}: the nodes' copies differ ({', '.join(differ)}): "
                                "the ranks' replicas of the model diverged", file=str(folder))
-        _agreed(rename, step, folder, tmp, writer, root)
+        agreed(rename)
     except BaseException:
         if writer:
             _remove_if_ours(tmp)
@@ -266,7 +319,7 @@ def put_in_place(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def _agreed(work, step: int, folder: Path, tmp: Path, writer: bool, root) -> list:
+def _agreed(work, step: int, folder: Path, tmp: Path, writer: bool, root, group=None) -> list:
     """``work()`` on every rank, then every rank's result (in rank order); where it failed on any rank, every rank
     removes its temporary folder and raises the same error, naming the rank where it failed."""
     own = None
@@ -274,7 +327,7 @@ def _agreed(work, step: int, folder: Path, tmp: Path, writer: bool, root) -> lis
         result, why = work(), None
     except Exception as err:  # noqa: BLE001 - every rank must hear of it, or the others wait at the next collective
         own, result, why = err, None, _why_not_written(err, root, folder)
-    views = distributed.all_gather_object((distributed.whoami(), why, result))
+    views = distributed.all_gather_object((distributed.whoami(), why, result), group)
     failed = [(who, w) for who, w, _ in views if w]
     if not failed:
         return [r for _, _, r in views]

@@ -59,9 +59,10 @@ class _GroupMetadataWriter(FileSystemWriter):
             self.by_group[tuple(group)] = pickle.dumps(dataclasses.replace(metadata, storage_data=where))
 
 
-def save(state: dict, path: str, groups: Groups) -> dict[tuple[int, ...], bytes]:
-    """``dcp.save`` of ``state`` into ``path`` on every rank (each group's folder); returns, on rank 0, each group's
-    ``.metadata`` bytes (to be written into that group's ``path``), elsewhere {}."""
+def save(state: dict, path: str, groups: Groups, process_group=None) -> dict[tuple[int, ...], bytes]:
+    """``dcp.save`` of ``state`` into ``path`` on every rank (each group's folder), its collectives on
+    ``process_group`` (default: the training's); returns, on rank 0, each group's ``.metadata`` bytes (to be written
+    into that group's ``path``), elsewhere {}."""
     writer = _GroupMetadataWriter(path, groups)
-    dcp.save(state, storage_writer=writer, planner=_EveryGroupPlanner(groups))
+    dcp.save(state, storage_writer=writer, planner=_EveryGroupPlanner(groups), process_group=process_group)
     return writer.by_group
