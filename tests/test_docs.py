@@ -41,3 +41,14 @@ def test_doc_pages_link_only_within_the_docs_or_to_public_sites():
         for target in re.findall(r"\]\(([^)]+)\)", page.read_text()):
             assert target.startswith(("https://", "http://")) or (page.parent / target.split("#")[0]).exists(), \
                 (page.name, target)
+
+
+def test_the_design_page_names_every_module_folder():
+    """docs/design.md's layer map names each folder of the package (a core folder by its path under core/)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    package = ROOT / "src" / "leansft"
+    folders = [f.relative_to(package) for f in sorted(package.rglob("*")) if f.is_dir() and f.name != "__pycache__"]
+    folders = [f for f in folders if f.parts[0] != "_vendor" or len(f.parts) == 1]  # vendored code: its own map
+    named = [str(f.relative_to("core") if f.parts[0] == "core" and len(f.parts) > 1 else f) + "/" for f in folders]
+    missing = [n for n in named if n not in text]
+    assert not missing, f"docs/design.md does not name {missing}"
