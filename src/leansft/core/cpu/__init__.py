@@ -3,8 +3,8 @@
 This package is the one door: nothing else in ``leansft.core`` imports it (an import-linter contract), and the
 recipe opens it with ``switch_on`` when it builds the model and ``head_precision`` when it builds the loss. Each
 computes the same values as the plain path to fp32 rounding (tests compare them); they were measured on the
-development hosts' CPUs (benchmarks/README.md), where they save 5-18% of a step. ``malloc`` (glibc tunables)
-runs before torch loads, from ``leansft.__main__``. docs/cpu.md says what each does and when it pays.
+development hosts' CPUs (benchmarks/results/cpu-step-and-trl.md), where they save 5-18% of a step. ``malloc``
+(glibc tunables) runs before torch loads, from ``leansft.__main__``. docs/cpu.md says what each does and when it pays.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ RMSNorm is ~3 passes forward and ~9 backward under autograd, the rotary embeddin
 negation, a concatenation and three more ops, and peft's LoRA adds ``base + B(A(x)) * scale`` as three
 full-width tensors forward and as many backward. Here each is one autograd Function with the backward
 written out: the same values up to fp32 rounding (tests compare against the plain modules), 12-18% of a
-SmolLM2 LoRA step and 5-7% of the small Qwen2's on the dev CPU (benchmarks/README.md).
+SmolLM2 LoRA step and 5-7% of the small Qwen2's on the dev CPU (benchmarks/results/cpu-step-and-trl.md).
 
 Only code known to compute exactly this is replaced: an RMSNorm whose ``forward`` is Llama's, an
 ``apply_rotary_pos_emb``/``rotate_half`` pair that is Llama's (compared by syntax tree, so the many copies

@@ -9,7 +9,7 @@ residuals around it. Shapes are dynamic: packed micro-batches vary in length, on
 
 ``auto`` compiles on CUDA (where fusing the elementwise ops around the matmuls is the usual win; a
 compile failure there falls back to eager, which is exact) and not on the CPU, where the gain measured
-in benchmarks/README.md is ~10% a step for 30-40 s of compiling: opt in with ``compile: true`` for
+in benchmarks/results/cpu-step-and-trl.md is ~10% a step for 30-40 s of compiling: opt in with ``compile: true`` for
 long runs.
 """
 
