@@ -190,7 +190,8 @@ def test_unsupported_vision_architecture_refused_by_name():
 
 
 def test_ids_equal_the_processor_and_no_image_token_carries_loss(arch, rows):
-    """The ids of each example equal the model's processor on the template's rendering; labels only on answers."""
+    """The ids of each example equal the model's processor on the template's rendering, with the special tokens it
+    adds (LLaVA-1.5's <s> first, as its processor puts it there); labels only on answers."""
     tok, model = load(arch)
     data, report = prepared(arch, (tok, model), rows)
     assert len(data) == 3 and report.sources[0]["images"] == 3
@@ -203,8 +204,9 @@ def test_ids_equal_the_processor_and_no_image_token_carries_loss(arch, rows):
         messages[0]["content"] = AS_PARTS[i]
         text = tok.apply_chat_template(template.as_parts(messages), tokenize=False, chat_template=template.source)
         images = [Image.open(rows.parent / name).convert("RGB") for name in IMAGES[i]]
+        starts = tok.bos_token is not None and text.startswith(tok.bos_token)  # as its apply_chat_template decides
         ref = processor(text=[text], images=[images] if images else None, return_tensors="pt",
-                        add_special_tokens=False)["input_ids"][0].numpy()  # as the processor's chat template call
+                        add_special_tokens=not starts)["input_ids"][0].numpy()
         ids, labels = data.example(i)
         assert np.array_equal(ids, ref), i
         assert (labels[ids == image_id] == IGNORE_INDEX).all()
@@ -433,6 +435,22 @@ def test_another_vision_model_trains_on_text_as_before(tmp_path):
 
     LlavaNextConfig().save_pretrained(tmp_path)
     assert not trains_images(LlavaNextConfig()) and vision_config_of(str(tmp_path)) is None
+
+
+def test_images_for_another_vision_model_are_refused_naming_its_architecture(rows, tmp_path, tiny_bpe_path):
+    """SmolVLM (Idefics3) keeps the text path; a row with a picture is refused in one line that names its
+    architecture and the families that train with images, with the file and row."""
+    from transformers import Idefics3Config
+
+    from leansft.core.data.prepare import prepare_data
+    from leansft.core.errors import DataError
+
+    Idefics3Config().save_pretrained(tmp_path / "smolvlm")
+    cfg = DataConfig(sources=[str(rows)], cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match="vision-language architecture 'idefics3' is not supported for images yet "
+                                        r"\(supported: Gemma 3, LLaVA, Qwen2-VL, Qwen2.5-VL\)") as err:
+        prepare_data(cfg, tiny_bpe_path, holdout=False, model_spec=str(tmp_path / "smolvlm"))
+    assert err.value.row == 1 and str(rows) in str(err.value) and "docs/vision.md" in err.value.hint
 
 
 def test_text_only_data_of_a_vision_model_takes_the_text_path(rows, tmp_path):

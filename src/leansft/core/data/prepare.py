@@ -8,6 +8,7 @@ other model's, take the text path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -19,10 +20,11 @@ from leansft.core.data.dataset import PrepReport, TokenizedDataset, build_datase
 from leansft.core.data.masking import ChatTemplate, resolve_template
 from leansft.core.data.stream import Stream
 from leansft.core.data.tokenizer import load_tokenizer
-from leansft.core.data.vision.family import vision_family
-from leansft.core.data.vision.prepare import prepare_vision, sources_have_images, vision_config_of, vision_encoder
+from leansft.core.data.formats import TEXT_ONLY
+from leansft.core.data.vision.family import SUPPORTED, trains_images, vision_family
+from leansft.core.data.vision.prepare import prepare_vision, sources_have_images, vision_encoder, vision_model_config
 from leansft.core.data.vision.processing import ImageProcessing
-from leansft.core.errors import ConfigError
+from leansft.core.errors import ConfigError, DataError
 from leansft.core.paths import cache_dir
 
 log = logging.getLogger("leansft")
@@ -96,6 +98,23 @@ def split_eval(data: TokenizedDataset, fraction: float, seed: int) -> tuple[Toke
     return data.select(np.flatnonzero(~out)), data.select(np.sort(evaluated[once]))
 
 
+@contextlib.contextmanager
+def images_named(config):
+    """A vision model of a family leansft has not checked takes the text path: a row with images is refused, naming
+    the model's architecture and the families that train with images (not as if the model read text alone)."""
+    try:
+        yield
+    except DataError as err:
+        if config is None or TEXT_ONLY not in err.message:
+            raise
+        supported = ", ".join(sorted({f.name for f in SUPPORTED.values()}))
+        named = (f"vision-language architecture '{config.model_type}' is not supported for images yet (supported: "
+                 f"{supported}): its image tokens, masks and batches have not been checked")
+        raise DataError(err.message.replace(TEXT_ONLY, named), file=err.file, row=err.row, field=err.field,
+                        hint="train a supported model, or leave the images out to fine-tune its language model on "
+                             "the text (docs/vision.md)") from None
+
+
 def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncate: bool = True,
                  holdout: bool = True, trust_remote_code: bool = False,
                  cache_storage: distributed.Storage | None = None, model_spec: str | None = None,
@@ -111,7 +130,8 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
     """
     tokenizer = load_tokenizer(tokenizer_spec, trust_remote_code)
     template = resolve_template(tokenizer, cfg.template)
-    config = vision_config_of(model_spec or tokenizer_spec, trust_remote_code)
+    any_vision = vision_model_config(model_spec or tokenizer_spec, trust_remote_code)
+    config = any_vision if any_vision is not None and trains_images(any_vision) else None
     read = cfg.sources + ([SourceConfig(path=cfg.eval_file)] if holdout and cfg.eval_file else [])
     streaming = any(s.streaming for s in cfg.sources)
     if config is not None and streaming:
@@ -123,17 +143,18 @@ def prepare_data(cfg: DataConfig, tokenizer_spec: str, *, seed: int = 0, truncat
     folder = cache_dir(cfg.cache_dir)
     cache = cache_storage or distributed.storage_of(folder)
     if streaming:
-        stream = Stream(cfg, tokenizer, template, truncate)
-        first = stream.first_window()
+        with images_named(any_vision):
+            stream = Stream(cfg, tokenizer, template, truncate)
+            first = stream.first_window()
         if holdout and cfg.eval_file:
-            with distributed.writers_first(cache):
+            with distributed.writers_first(cache), images_named(any_vision):
                 eval_data, _ = build_dataset(cfg, tokenizer, template, seed=seed,
                                              sources=[SourceConfig(path=cfg.eval_file)])
         return PreparedData(tokenizer, template, first.data, eval_data, stream.report(first), stream=stream)
     if distributed.world_size() > 1 and distributed.rank() == 0:
         log.info("preparing the data %s", f"once for all {distributed.world_size()} ranks (the cache folder {folder} "
                  "is shared)" if cache.shared else f"once per node (the cache folder {folder}: {cache.describe()})")
-    with distributed.writers_first(cache):
+    with distributed.writers_first(cache), images_named(any_vision):
         data, report = build_dataset(cfg, tokenizer, template, seed=seed, truncate=truncate)
         if holdout and cfg.eval_file:
             eval_data, _ = build_dataset(cfg, tokenizer, template, seed=seed,

@@ -1,5 +1,6 @@
 """A prompt about pictures for a vision model: the user message with its images as the template renders them,
-each placeholder expanded as the model's processor does, and the vision tower's inputs for ``generate``."""
+each placeholder expanded and the special tokens added as the model's processor does, and the vision tower's
+inputs for ``generate``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from leansft.core.batching.vision import VisionInputs
 from leansft.core.data.masking import IGNORE_INDEX, ChatTemplate
-from leansft.core.data.vision.encode import expand_images
+from leansft.core.data.vision.encode import ProcessorSpecials, expand_images
 from leansft.core.data.vision.family import vision_family
 from leansft.core.data.vision.images import open_image
 from leansft.core.data.vision.processing import ImageProcessing
@@ -40,6 +41,7 @@ def image_prompt(model, tokenizer, template: ChatTemplate, settings, messages: l
                                    family.tokens_per_image(pixels.grid, model.config))
         except ValueError as err:
             raise LeanSFTError(f"the chat template and the images disagree: {err}", field="--image") from None
+    ids, _ = ProcessorSpecials.of(tokenizer).add(ids)  # as the processor adds them (LLaVA-1.5's <s>)
     input_ids = torch.as_tensor(ids)[None]
     vision = VisionInputs(pixels.pixel_values, torch.from_numpy(pixels.grid), [len(images)])
     return ids.tolist(), image_inputs(model, input_ids, vision)

@@ -1,7 +1,8 @@
 """A conversation with images as ids and labels: the chat template renders one placeholder per image (the text
 encoder's masks, unchanged), then each placeholder is repeated once per merged patch of its image, as the model's
 processor does. Image tokens never carry loss: they sit in user messages, and a placeholder with a label is
-refused."""
+refused. The special tokens the processor's tokenizer adds around a rendering (LLaVA-1.5's ``<s>``: a processor
+tokenises with them unless the text starts with the BOS token) are added alike, at training and at inference."""
 
 from __future__ import annotations
 
@@ -33,6 +34,37 @@ def expand_images(ids: np.ndarray, labels: np.ndarray, image_id: int, counts: np
     return ids, np.where(ids == image_id, IGNORE_INDEX, np.repeat(labels, repeat))
 
 
+@dataclass(frozen=True)
+class ProcessorSpecials:
+    """The tokens a vision processor's tokenizer call adds around a rendered chat: ``prefix`` and ``suffix`` as
+    ``add_special_tokens=True`` adds them, except where the text already starts with the BOS token (``bos``), as
+    transformers' ``ProcessorMixin.apply_chat_template`` decides."""
+
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    bos: int | None = None
+
+    @classmethod
+    def of(cls, tokenizer) -> ProcessorSpecials:
+        plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+        full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+        bos = tokenizer.bos_token_id if tokenizer.bos_token is not None else None
+        for i in range(len(full) - len(plain) + 1):
+            if full[i:i + len(plain)] == plain:
+                return cls(tuple(full[:i]), tuple(full[i + len(plain):]), bos)
+        return cls((), (), bos)
+
+    def add(self, ids: np.ndarray, labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """``ids`` as the processor tokenises their text (the added tokens carry no loss)."""
+        if (not self.prefix and not self.suffix) or (self.bos is not None and len(ids) and ids[0] == self.bos):
+            return ids, labels
+        ids = np.concatenate([np.asarray(self.prefix, np.int64), ids, np.asarray(self.suffix, np.int64)])
+        if labels is not None:
+            labels = np.concatenate([np.full(len(self.prefix), IGNORE_INDEX, np.int64), labels,
+                                     np.full(len(self.suffix), IGNORE_INDEX, np.int64)])
+        return ids, labels
+
+
 class TextExpandingEncoder(ChatEncoder):
     """The ChatEncoder of a family whose processor expands images in the text (Gemma 3): every rendering carries the
     processor's image sequence in place of each image token, so tokens, spans and masks are those of the text the
@@ -57,6 +89,7 @@ class VisionEncoder:
     def __init__(self, text: ChatEncoder, family: VisionFamily, placeholder: int, image_id: int, config) -> None:
         self.text, self.family, self.config = text, family, config
         self.placeholder, self.image_id = placeholder, image_id
+        self.specials = ProcessorSpecials.of(text.tok)
 
     def encode(self, conv, grids: np.ndarray, file: str) -> list[VisionExample]:
         """The examples of ``conv`` whose images have patch grids ``grids`` ([images, 3])."""
@@ -68,6 +101,7 @@ class VisionEncoder:
         for j, enc in enumerate(examples):
             ids, labels = (np.asarray(a, np.int64) for a in enc)
             self._check(enc, ids, labels, conv, file)
+            ids, labels = self.specials.add(ids, labels)
             k = int((ids == self.placeholder).sum())
             if k > len(counts):
                 raise TemplateError(f"the chat template wrote {k} image placeholders for {len(counts)} images",

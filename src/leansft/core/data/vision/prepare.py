@@ -217,17 +217,23 @@ def sources_have_images(sources: list[SourceConfig]) -> bool:
     return False
 
 
-def vision_config_of(spec: str, trust_remote_code: bool = False):
-    """The model config at ``spec`` where it is a local model folder of a vision model leansft trains with images
-    (``trains_images``), else None: the text path."""
+def vision_model_config(spec: str, trust_remote_code: bool = False):
+    """The model config at ``spec`` where it is a local folder of a vision-language model (a ``vision_config``),
+    whatever its family; else None."""
     from transformers import AutoConfig
-
-    from leansft.core.data.vision.family import trains_images
 
     if not (Path(spec) / "config.json").is_file() or "vision_config" not in (Path(spec) / "config.json").read_text():
         return None
     try:
-        config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except Exception as err:
         raise ModelError(f"cannot load model config: {type(err).__name__}: {str(err)[:300]}", file=spec) from None
-    return config if trains_images(config) else None
+
+
+def vision_config_of(spec: str, trust_remote_code: bool = False):
+    """The model config at ``spec`` where it is a local model folder of a vision model leansft trains with images
+    (``trains_images``), else None: the text path."""
+    from leansft.core.data.vision.family import trains_images
+
+    config = vision_model_config(spec, trust_remote_code)
+    return config if config is not None and trains_images(config) else None
