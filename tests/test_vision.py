@@ -216,6 +216,27 @@ def test_ids_equal_the_processor_and_no_image_token_carries_loss(arch, rows):
         assert trained.removeprefix(lead) == lead.join(a + end for a in answers)
 
 
+def test_the_first_conversations_are_checked_against_the_processor_class(arch, rows, caplog, monkeypatch):
+    """Each run compares its first conversations (two with images, one without) with the model's own processor class,
+    built without a video processor where it asks for one; the <s> LLaVA-1.5's processor puts first, left out, is
+    refused before training, naming the token."""
+    import logging
+
+    from leansft.core.data.vision.encode import ProcessorSpecials
+    from leansft.core.errors import TemplateError
+
+    tok, model = load(arch)
+    caplog.set_level(logging.INFO, "leansft")
+    prepared(arch, (tok, model), rows)
+    kind = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "gemma3": "Gemma3", "llava": "Llava"}
+    assert f"the ids of the first 3 conversations equal {kind[model.config.model_type]}Processor's" in caplog.text
+    if model.config.model_type == "llava":
+        monkeypatch.setattr(ProcessorSpecials, "add", lambda self, ids, labels=None: (ids, labels))
+        with pytest.raises(TemplateError, match="differ from LlavaProcessor's at token 0 .*'<s>'") as err:
+            prepared(arch, (tok, model), rows)
+        assert err.value.row == 1
+
+
 @pytest.mark.parametrize("arch", ["llava"], indirect=True)
 def test_llava_trains_with_the_shipped_prompts_and_a_stop_token(arch, rows):
     """LLaVA-1.5's template as llava-hf ships it ends no answer with a stop token: refused by name, with the built-in

@@ -104,6 +104,10 @@ def make_llava(folder: Path, tokenizer: Path, seed: int = 0) -> None:
     tok = AutoTokenizer.from_pretrained(tokenizer)
     tok.add_tokens([AddedToken("<image>", special=True, normalized=False)], special_tokens=True)
     tok.add_special_tokens({"pad_token": "<pad>"})  # llava-hf's: <image> then <pad> after Llama 2's vocabulary
+    from tokenizers import processors  # Llama 2's tokenizer puts <s> first wherever special tokens are added
+
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.convert_tokens_to_ids("<s>"))])
     config = LlavaConfig(
         vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),

@@ -26,6 +26,7 @@ from leansft.core.data.vision.encode import TextExpandingEncoder, VisionEncoder
 from leansft.core.data.vision.family import VisionFamily
 from leansft.core.data.vision.images import open_image
 from leansft.core.data.vision.processing import ImageProcessing, Pixels
+from leansft.core.data.vision.processor_check import ProcessorCheck
 from leansft.core.errors import ConfigError, DataError, LeanSFTError, ModelError, TemplateError
 
 log = logging.getLogger("leansft")
@@ -87,6 +88,7 @@ def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImagePro
     if any(s.weight != 1 for s in sources) or cfg.mix.mode != "concat":
         raise ConfigError("source weights and data.mix are not supported with images yet", field="data.sources")
     report = PrepReport()
+    check = ProcessorCheck(processing.folder, encoder, encoder.text.template)  # the first rows, as the model reads
     ids, labels, refs, bases, grids, counts, rows, hashes, parts = [], [], [], [], [], [], [], [], []
     seen: set[int] = set()
     for part, src in enumerate(sources):
@@ -103,10 +105,11 @@ def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImagePro
                 conv = convert_row(row, fmt, src.path, number, images=True)
                 if cfg.clean.drop_no_assistant and not conv.has_assistant:
                     continue
-                pixels = processing([open_image(r, base, file=src.path, row=number) for r in conv.images]) \
-                    if conv.images else None
+                opened = [open_image(r, base, file=src.path, row=number) for r in conv.images]
+                pixels = processing(opened) if opened else None
                 grid = pixels.grid if pixels is not None else np.zeros((0, 3), np.int64)
                 examples = encoder.encode(conv, grid, src.path)
+                check(conv, opened, examples, src.path)
             except LeanSFTError as err:
                 if cfg.on_bad_row == "error" or not isinstance(err, DataError):
                     raise
@@ -153,6 +156,9 @@ def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImagePro
                         f"{report.duplicates_removed} duplicates, {sum(s['bad_rows'] for s in report.sources)} bad",
                         field="data.sources")
     report.examples = len(ids)
+    if check.checked:
+        log.info("vision: the ids of the first %d conversations equal %s's", check.checked,
+                 type(check.processor).__name__)
     table = ImageTable(refs, bases, grids, processing, np.array([len(i) for i in ids]), counts)
     return _dataset(ids, labels, rows, hashes, table), report
 

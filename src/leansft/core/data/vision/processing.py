@@ -1,13 +1,15 @@
-"""The model's own image processor: pixels and patch grids for a list of images.
+"""The model's own image processor: pixels and patch grids for a list of images; and the model's processor class
+whole (``model_processor``), against which the data's ids are checked before training.
 
 ``AutoImageProcessor`` gives the torchvision-backed processor where torchvision is installed and the PIL one
 otherwise (the same arithmetic); leansft does not go through ``AutoProcessor`` because Qwen2-VL's demands a video
 processor that needs torchvision. The processor's text side (one placeholder repeated per merged patch) is
-``encode.expand_images``, tested against the model's processor class.
+``encode.expand_images``, checked against the model's processor class on each run's first examples.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,3 +72,44 @@ class ImageProcessing:
         grid = out.get("image_grid_thw")  # without one (Gemma 3), a row of zeros per image
         grid = grid.numpy().astype(np.int64) if grid is not None else np.zeros((len(out["pixel_values"]), 3), np.int64)
         return Pixels(out["pixel_values"], grid)
+
+
+def _without_video(cls):
+    """``cls`` (a processor class) constructed without a video processor: its constructor checks each part's class,
+    and where torchvision is missing the video processors' lookup fails even for ``None``. Images and text only."""
+
+    class ImagesAndText(cls):
+        def check_argument_for_proper_class(self, name, arg):
+            if name == "video_processor" and arg is None:
+                return None
+            return super().check_argument_for_proper_class(name, arg)
+
+    ImagesAndText.__name__ = ImagesAndText.__qualname__ = cls.__name__
+    return ImagesAndText
+
+
+def model_processor(folder: str, tokenizer, config):
+    """The model's own processor class (transformers' mapping from its ``model_type``) over its image processor and
+    ``tokenizer``, with the settings its ``processor_config.json`` holds (and the image sequence length of its
+    config where the class takes one); built without a video processor where its constructor asks for one. Raises
+    what construction raised (the caller says what was not checked)."""
+    import transformers
+    from transformers import AutoImageProcessor
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(getattr(config, "model_type", ""))
+    if not name:
+        raise ModelError(f"transformers names no processor class for '{getattr(config, 'model_type', '?')}'")
+    cls = getattr(transformers, name)
+    takes = inspect.signature(cls.__init__).parameters
+    settings = {}
+    shipped = Path(folder) / "processor_config.json"
+    if shipped.is_file():
+        settings = {k: v for k, v in json.loads(shipped.read_text()).items() if k in takes
+                    and k not in ("chat_template", "image_processor", "tokenizer", "video_processor")}
+    if "image_seq_length" in takes and "image_seq_length" not in settings and hasattr(config, "mm_tokens_per_image"):
+        settings["image_seq_length"] = int(config.mm_tokens_per_image)
+    parts = {"image_processor": AutoImageProcessor.from_pretrained(folder), "tokenizer": tokenizer}
+    if "video_processor" in takes:
+        cls, parts["video_processor"] = _without_video(cls), None
+    return cls(**parts, **settings)
