@@ -85,6 +85,7 @@ class Access:
     allowed: set[str] = field(default_factory=set)  # ``--allow-host``: answered on any port (a proxy in front)
     any_ip: bool = False  # on every interface: an address typed as digits cannot be rebound, so any is answered
     token: str | None = None
+    warned: set[str] = field(default_factory=set)  # the Host values refused so far (each said once)
 
     @classmethod
     def of(cls, host: str, port: int, allow: list[str] = ()) -> Access:
@@ -161,7 +162,9 @@ def _handler(page: RunPage) -> type[BaseHTTPRequestHandler]:
             access = self.server.access
             refused = access.host_refused(self.headers.get("Host"))
             if refused is not None:  # before any route: a rebound name reads nothing
-                log.warning("run page: refused a request: %s", refused)
+                if refused not in access.warned:  # a page asking every 2 s is said once
+                    access.warned.add(refused)
+                    log.warning("run page: refused a request: %s", refused)
                 return self._send(403, f"forbidden: {refused}\n".encode(), "text/plain; charset=utf-8", head)
             parts = urlsplit(self.path)
             path, self._set_token = parts.path, None
