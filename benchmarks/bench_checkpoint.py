@@ -46,7 +46,8 @@ class Root(torch.nn.Module):
         return self.model(**kw)
 
 
-def one_run(model, shape_tokens: int, saves: int, use_async: bool, folder: Path, strategy: str = "ddp") -> dict:
+def one_run(model, vocab: int, shape_tokens: int, saves: int, use_async: bool, folder: Path,
+            strategy: str = "ddp") -> dict:
     cfg = load_config(None, ["model=unused", f"output_dir={folder}", "data.sources=[unused.jsonl]",
                              f"checkpoint.async={str(use_async).lower()}", "checkpoint.keep_last=1",
                              "checkpoint.keep_best=0", f"distributed.strategy={strategy}"])
@@ -54,7 +55,6 @@ def one_run(model, shape_tokens: int, saves: int, use_async: bool, folder: Path,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     sharded = distributed.world_size() > 1 and strategy == "fsdp"
     ckpt = Checkpointer(cfg, folder, model, opt, sched, sharded=sharded)
-    vocab = SHAPES_VOCAB[id(model)]
     ids = torch.randint(0, vocab, (1, shape_tokens))
     steps, waits = [], []
     t_all = time.perf_counter()
@@ -70,21 +70,17 @@ def one_run(model, shape_tokens: int, saves: int, use_async: bool, folder: Path,
     return {"wait": waits, "step": steps, "wall": time.perf_counter() - t_all}
 
 
-SHAPES_VOCAB: dict[int, int] = {}  # the vocabulary of each model built (a wrapped one hides its config)
-
-
 def build(shape: str, strategy: str):
+    """(the model under its root, wrapped for the strategy; its parameters; its vocabulary)."""
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**SHAPES[shape], max_position_embeddings=4096))
     n = sum(p.numel() for p in model.parameters())
-    root = distributed.wrap(Root(model), strategy, torch.device("cpu"))
-    SHAPES_VOCAB[id(root)] = model.config.vocab_size
-    return root, n
+    return distributed.wrap(Root(model), strategy, torch.device("cpu")), n, model.config.vocab_size
 
 
 def measure(args, folder: Path | None = None) -> dict[bool, list[dict]] | None:
     """The alternating sync/async runs on this process (every rank runs them; rank 0 returns what it measured)."""
-    root, n = build(args.shape, args.strategy)
+    root, n, vocab = build(args.shape, args.strategy)
     if distributed.rank() == 0:
         where = (f"{distributed.world_size()} ranks ({args.strategy.upper()}, gloo), {torch.get_num_threads()} "
                  "threads each" if distributed.world_size() > 1 else f"one process, {torch.get_num_threads()} threads")
@@ -94,7 +90,8 @@ def measure(args, folder: Path | None = None) -> dict[bool, list[dict]] | None:
     for pair in range(args.pairs):
         for use_async in ((False, True) if pair % 2 == 0 else (True, False)):
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                got[use_async].append(one_run(root, args.tokens, args.saves, use_async, Path(tmp), args.strategy))
+                got[use_async].append(one_run(root, vocab, args.tokens, args.saves, use_async, Path(tmp),
+                                              args.strategy))
             distributed.barrier()
     return got if distributed.rank() == 0 else None
 

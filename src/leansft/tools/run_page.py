@@ -43,21 +43,17 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline';
 COOKIE = "leansft_token"
 
 
+def _address(name: str):
+    """``name`` as an IP address ([::1] too), or None for a host name."""
+    try:
+        return ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return None
+
+
 def _loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _ip(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name.strip("[]"))
-        return True
-    except ValueError:
-        return False
+    address = _address(host)
+    return host.lower() == "localhost" or (address is not None and address.is_loopback)
 
 
 def _split_host(header: str) -> tuple[str, int | None] | None:
@@ -106,7 +102,7 @@ class Access:
             return None
         if port not in (None, self.port):
             return f"Host {header!r} names port {port}, not this page's {self.port}"
-        if name in self.names or (self.any_ip and _ip(name)):
+        if name in self.names or (self.any_ip and _address(name) is not None):
             return None
         return f"Host {header!r} is not this page's address (--allow-host NAME adds a name)"
 

@@ -376,8 +376,8 @@ def _identity(path: Path) -> tuple | None:
     """A streamed file's (size, modification time), or a saved dataset folder's files' ones; None where it is gone."""
     try:
         if path.is_dir():
-            return tuple((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
-                         for f in sorted(path.rglob("*")) if f.is_file())
+            return tuple((str(f.relative_to(path)), st.st_size, st.st_mtime_ns)
+                         for f in sorted(path.rglob("*")) if f.is_file() for st in (f.stat(),))
         st = path.stat()
     except OSError:
         return None

@@ -88,7 +88,7 @@ def prepare_vision(cfg: DataConfig, encoder: VisionEncoder, processing: ImagePro
     if any(s.weight != 1 for s in sources) or cfg.mix.mode != "concat":
         raise ConfigError("source weights and data.mix are not supported with images yet", field="data.sources")
     report = PrepReport()
-    check = ProcessorCheck(processing.folder, encoder, encoder.text.template)  # the first rows, as the model reads
+    check = ProcessorCheck(processing, encoder, encoder.text.template)  # the first rows, as the model reads
     ids, labels, refs, bases, grids, counts, rows, hashes, parts = [], [], [], [], [], [], [], [], []
     seen: set[int] = set()
     for part, src in enumerate(sources):

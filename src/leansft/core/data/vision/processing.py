@@ -88,11 +88,12 @@ def _without_video(cls):
     return ImagesAndText
 
 
-def model_processor(folder: str, tokenizer, config):
+def model_processor(folder: str, tokenizer, config, image_processor=None):
     """The model's own processor class (transformers' mapping from its ``model_type``) over its image processor and
     ``tokenizer``, with the settings its ``processor_config.json`` holds (and the image sequence length of its
-    config where the class takes one); built without a video processor where its constructor asks for one. Raises
-    what construction raised (the caller says what was not checked)."""
+    config where the class takes one); built without a video processor where its constructor asks for one.
+    ``image_processor``: one loaded already from ``folder``. Raises what construction raised (the caller says what
+    was not checked)."""
     import transformers
     from transformers import AutoImageProcessor
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -109,7 +110,7 @@ def model_processor(folder: str, tokenizer, config):
                     and k not in ("chat_template", "image_processor", "tokenizer", "video_processor")}
     if "image_seq_length" in takes and "image_seq_length" not in settings and hasattr(config, "mm_tokens_per_image"):
         settings["image_seq_length"] = int(config.mm_tokens_per_image)
-    parts = {"image_processor": AutoImageProcessor.from_pretrained(folder), "tokenizer": tokenizer}
+    parts = {"image_processor": image_processor or AutoImageProcessor.from_pretrained(folder), "tokenizer": tokenizer}
     if "video_processor" in takes:
         cls, parts["video_processor"] = _without_video(cls), None
     return cls(**parts, **settings)

@@ -11,7 +11,7 @@ import numpy as np
 
 from leansft.core.data.masking import ChatTemplate
 from leansft.core.data.vision.encode import VisionEncoder, VisionExample
-from leansft.core.data.vision.processing import model_processor
+from leansft.core.data.vision.processing import ImageProcessing, model_processor
 from leansft.core.errors import TemplateError
 
 log = logging.getLogger("leansft")
@@ -21,13 +21,13 @@ class ProcessorCheck:
     """Called with each prepared conversation; compares the first ``with_images`` that hold images and the first
     ``without`` that hold none (a conversation made into one example: the common case)."""
 
-    def __init__(self, folder: str, encoder: VisionEncoder, template: ChatTemplate, with_images: int = 2,
-                 without: int = 1) -> None:
+    def __init__(self, processing: ImageProcessing, encoder: VisionEncoder, template: ChatTemplate,
+                 with_images: int = 2, without: int = 1) -> None:
         self.encoder, self.template, self.tok = encoder, template, encoder.text.tok
         self.left = {True: with_images, False: without}
         self.checked = 0
         try:
-            self.processor = model_processor(folder, self.tok, encoder.config)
+            self.processor = model_processor(processing.folder, self.tok, encoder.config, processing.processor)
         except Exception as err:  # noqa: BLE001 - said, and the run goes on with its own checks
             self.processor = None
             log.warning("vision: the ids are not compared with the model's processor class (it could not be built: "
