@@ -228,3 +228,26 @@ def test_a_live_run_watched_in_chromium(tmp_path, tiny_run_assets):
             watchdog.cancel()
             page_server.shutdown()
     assert not errors, errors
+
+
+def test_the_commands_take_allow_host(tmp_path, monkeypatch):
+    """`report --serve` and `train --serve` hand every --allow-host NAME to the page."""
+    from leansft.tools import cli
+
+    args = cli.build_parser().parse_args(["train", "c.yaml", "--serve", "--allow-host", "a.example",
+                                          "--allow-host", "b.example"])
+    assert args.allow_host == ["a.example", "b.example"]
+    crafted_run(tmp_path / "mine")
+    started = {}
+
+    class Started(Exception):
+        pass
+
+    def start(roots, host, port, refresh=2.0, allow_hosts=()):
+        started["allow"] = list(allow_hosts)
+        raise Started  # no server: the hand-over alone is checked
+
+    monkeypatch.setattr(run_page, "start", start)
+    with pytest.raises(Started):
+        cli.main(["report", str(tmp_path / "mine"), "--serve", "--allow-host", "runs.lab.example"])
+    assert started["allow"] == ["runs.lab.example"]
